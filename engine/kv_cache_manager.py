@@ -1,0 +1,108 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+
+Blocks are allocated as tokens arrive (never a max-length reservation); `allocate_slots` returns
+False instead of raising when the pool is short, so the scheduler decides whom to preempt.
+"""
+
+from dataclasses import dataclass, field
+
+from kvloom.engine.block_pool import BlockPool, KVBlock, hash_block
+from kvloom.engine.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+
+@dataclass
+class KVCacheManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    pool: BlockPool = field(init=False)
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    _held: dict[str, list[KVBlock]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pool = BlockPool(self.num_blocks)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Longest run of the request's full blocks already in the cache.
+
+        At most `num_tokens - 1` tokens may hit: the last token must be computed for its logits.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        parent: int | None = None
+        tokens = request.token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        for i in range(max_blocks):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            parent = hash_block(parent, chunk)
+            block = self.pool.lookup(parent, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens of `request`; False if the pool is short.
+
+        `cached_prefix` (only for a request holding no blocks yet) is adopted by reference.
+        """
+        held = self._held.setdefault(request.request_id, [])
+        total = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
+        fresh = self.blocks_needed(total) - len(held) - len(cached_prefix)
+        if fresh + revived > self.pool.num_free:
+            if not held:
+                del self._held[request.request_id]
+            return False
+        if self.enable_prefix_caching and not held:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(cached_prefix) * self.block_size
+        for block in cached_prefix:
+            self.pool.touch(block)
+        held.extend(cached_prefix)
+        if cached_prefix:
+            request.block_hashes = [b.block_hash for b in cached_prefix]
+        if fresh > 0:
+            held.extend(self.pool.allocate(fresh))
+        request.block_ids = [b.block_id for b in held]
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's newly completed blocks (their KV is now computed)."""
+        if not self.enable_prefix_caching:
+            return
+        held = self._held[request.request_id]
+        num_full = request.num_computed_tokens // self.block_size
+        tokens = request.token_ids
+        for i in range(len(request.block_hashes), num_full):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            block_hash = hash_block(parent, chunk)
+            request.block_hashes.append(block_hash)
+            self.pool.register(held[i], block_hash, chunk)
+
+    def free(self, request: Request) -> None:
+        """Return every block the request holds; tail blocks go first so they are evicted first."""
+        for block in reversed(self._held.pop(request.request_id, [])):
+            self.pool.release(block)
+        request.block_ids = []
+        request.block_hashes = []
+
+    def num_held(self, request_id: str) -> int:
+        return len(self._held.get(request_id, ()))
+
+    @property
+    def num_requests_holding(self) -> int:
+        return len(self._held)

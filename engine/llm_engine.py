@@ -1,0 +1,299 @@
+"""LLMEngine: add_request / step / abort over scheduler + runner, in one process, no Ray.
+
+All state hangs off the instance (no module globals), so several engines can share a process.
+"""
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.engine.config import EngineConfig
+from kvloom.engine.detokenizer import IncrementalDetokenizer
+from kvloom.engine.errors import ConfigError, InvalidRequestError
+from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.model_loader import load_model
+from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvloom.engine.request import Request, RequestStatus
+from kvloom.engine.runner import ModelRunner, kv_bytes_per_token
+from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.scheduler import Scheduler, SchedulerLimits
+from kvloom.kernels.backends import select_backend
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    peak_used_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        logger.info("kvloom engine runs on %s%s", requested,
+                    "" if requested == "cuda" else " (no CUDA device visible)")
+    elif requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda requested but no CUDA device is visible")
+    return torch.device(requested)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+        config = config or EngineConfig(**overrides)
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        hf_config = self.model.config
+        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        self.vocab_size = hf_config.vocab_size
+        self.eos_token_ids = self._eos_token_ids()
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks(kv_bytes_per_token(hf_config, self.dtype))
+        self._validate_limits()
+        backend = select_backend(config.attention_backend, self.device)
+        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        limits = SchedulerLimits(
+            config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
+            config.scheduling_policy,
+        )
+        self.scheduler = Scheduler(limits, self.kv)
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._seed_counter = itertools.count(config.seed * 1_000_003)
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
+        for value in (gen_eos, self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return ids
+
+    def _num_blocks(self, bytes_per_token: int) -> int:
+        block_bytes = bytes_per_token * self.block_size
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None:
+            budget = self._profile_cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // block_bytes
+        needed = -(-self.max_model_len // self.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                "kv_cache_memory_bytes",
+                f"budget of {budget} bytes holds {num_blocks} blocks of {self.block_size} tokens "
+                f"({block_bytes} bytes each), but one max-length request ({self.max_model_len} tokens) "
+                f"needs {needed}: raise the budget or lower max_model_len",
+            )
+        return int(num_blocks)
+
+    def _profile_cuda_budget(self) -> int:
+        """KV budget on CUDA: the utilization target minus the peak of a max-size forward."""
+        from kvloom.kernels.backends import select_backend as pick
+
+        tokens = self.config.max_num_batched_tokens
+        blocks = -(-tokens // self.block_size)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner = ModelRunner(self.model, pick(self.config.attention_backend, self.device), blocks,
+                             self.block_size, self.dtype, self.device)
+        probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
+        probe.block_ids = list(range(blocks))
+        runner.execute([(probe, tokens)], {"profile": torch.Generator(self.device)})
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del runner
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        budget = int(total * self.config.gpu_memory_utilization) - peak
+        if budget <= 0:
+            raise ConfigError("gpu_memory_utilization", f"leaves no room for KV after a {peak}-byte peak")
+        return budget
+
+    def _validate_limits(self) -> None:
+        cfg = self.config
+        if cfg.max_num_batched_tokens < cfg.max_num_seqs:
+            raise ConfigError("max_num_batched_tokens", f"must be >= max_num_seqs ({cfg.max_num_seqs})")
+        if not cfg.enable_chunked_prefill and cfg.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "max_num_batched_tokens",
+                f"without chunked prefill it must be >= max_model_len ({self.max_model_len}), "
+                "or a long prompt could never be scheduled",
+            )
+
+    # ---- requests ---------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def encode(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt)
+
+    def make_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"is {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)",
+            )
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt", f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+        return Request(
+            request_id, token_ids, params, priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+    ) -> Request:
+        request = self.make_request(request_id, prompt, params, priority, arrival_time)
+        self.add_prepared(request)
+        return request
+
+    def add_prepared(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+        params = request.sampling_params
+        seed = params.seed if params.seed is not None else next(self._seed_counter)
+        self._generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
+        if params.detokenize:
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, params.stop
+            )
+        self.requests[request.request_id] = request
+        self.scheduler.add_request(request)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any stage and free everything it holds."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return self._finalize(request, [])
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        now = time.monotonic()
+        for request, _ in out.scheduled:
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+        sampled = self.runner.execute(out.scheduled, self._generators)
+        advanced = self.scheduler.update_from_output(out, {k: v.token_id for k, v in sampled.items()})
+        now = time.monotonic()
+        outputs = []
+        for request in advanced:
+            token = sampled[request.request_id]
+            if request.first_token_time is None:
+                request.first_token_time = now
+            if token.logprobs is not None:
+                request.output_logprobs.append(token.logprobs)
+            status = self._check_stop(request, token.token_id)
+            if status is not None:
+                self.scheduler.finish_request(request, status)
+            outputs.append(self._finalize(request, [token.token_id]) if status else
+                           self._output(request, [token.token_id]))
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        detok = self._detokenizers.get(request.request_id)
+        if detok is not None:
+            stop = detok.add_token(token_id)
+            if stop is not None:
+                request.stop_reason = stop
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        detok = self._detokenizers.get(request.request_id)
+        finished = request.is_finished
+        delta = detok.release(finished) if detok else ""
+        wants_logprobs = request.sampling_params.logprobs is not None
+        completion = CompletionOutput(
+            text=detok.text[: detok.emitted] if detok else "",
+            token_ids=request.output_token_ids,
+            delta_text=delta,
+            delta_token_ids=new_tokens,
+            finish_reason=request.finish_reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if wants_logprobs else None,
+        )
+        metrics = RequestMetrics(
+            request.arrival_time, request.first_scheduled_time, request.first_token_time,
+            time.monotonic() if finished else None,
+        )
+        return RequestOutput(
+            request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
+            request.num_cached_prompt_tokens, metrics, request.priority,
+        )
+
+    def _finalize(self, request: Request, new_tokens: list[int]) -> RequestOutput:
+        output = self._output(request, new_tokens)
+        self.requests.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
+        self._generators.pop(request.request_id, None)
+        return output
+
+    def stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=pool.num_free,
+            num_blocks=pool.num_blocks,
+            peak_used_blocks=pool.peak_num_used,
+            kv_cache_usage=pool.usage,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

@@ -1,0 +1,54 @@
+"""Token sampling for the rows of one step: greedy, temperature, top-k, top-p, seeded per request."""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.engine.request import Request
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: dict[int, float] | None  # the chosen token first, then the top alternatives
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the mass before it already reaches top_p (always keep the first)
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.index_put((order[drop],), torch.tensor(float("-inf")))
+    return logits
+
+
+def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
+    """`logits` is [len(requests), vocab]; one generator per request keeps seeded runs reproducible."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, request in enumerate(requests):
+        params = request.sampling_params
+        if params.greedy:
+            continue
+        row_logits = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
+        probs = row_logits.softmax(-1)
+        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+    wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+    if not any(wants_logprobs):
+        return [SampledToken(t, None) for t in tokens]
+    logprobs = logits.log_softmax(dim=-1)
+    result = []
+    for row, (token, request) in enumerate(zip(tokens, requests)):
+        if not wants_logprobs[row]:
+            result.append(SampledToken(token, None))
+            continue
+        chosen = {token: float(logprobs[row, token])}
+        top = torch.topk(logprobs[row], request.sampling_params.logprobs)
+        for value, index in zip(top.values.tolist(), top.indices.tolist()):
+            chosen.setdefault(index, value)
+        result.append(SampledToken(token, chosen))
+    return result

@@ -1,0 +1,161 @@
+"""Iteration-level scheduler: one rule for prefill and decode.
+
+Every running request has `num_computed_tokens` that catches up with its token count, within a
+per-step token budget. Decodes are scheduled first, then unfinished prefills (chunked when
+`enable_chunked_prefill`), then waiting requests while slots and blocks last. When the pool runs
+dry a victim (lowest priority, then latest arrival) is preempted by recompute: its blocks are
+freed and it re-enters the waiting queue with its generated tokens kept.
+"""
+
+from dataclasses import dataclass, field
+
+from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.request import Request, RequestStatus
+from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    policy: str = "fcfs"
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv = kv
+        self.waiting: RequestQueue = make_queue(limits.policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Take a request out of the scheduler for good and free its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif not request.status.finished:
+            self.waiting.remove(request)
+        self.kv.free(request)
+        request.status = status
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def _victim_key(self, request: Request) -> tuple[int, float]:
+        if self.limits.policy == "priority":
+            return priority_key(request)
+        return (0, request.arrival_time)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        self.waiting.add_front(request)
+        self.num_preemptions += 1
+        out.preempted.append(request)
+
+    def _make_room_for_priority(self, out: SchedulerOutput) -> None:
+        """Priority policy: a waiting request outranking a running one may evict it."""
+        while len(self.waiting) and self.running:
+            head = self.waiting.peek()
+            victim = max(self.running, key=self._victim_key)
+            if self._victim_key(victim) <= priority_key(head):
+                return
+            first_chunk = min(head.num_tokens, self.limits.max_num_batched_tokens)
+            fits = (
+                len(self.running) < self.limits.max_num_seqs
+                and self.kv.blocks_needed(first_chunk) <= self.kv.pool.num_free
+            )
+            if fits:
+                return
+            self._preempt(victim, out)
+
+    def _chunk(self, num_new: int, budget: int) -> int:
+        """How many of `num_new` tokens fit this step (0: wait for a later step)."""
+        if num_new > budget and not self.limits.enable_chunked_prefill:
+            return 0
+        return min(num_new, budget)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.limits.policy == "priority":
+            self._make_room_for_priority(out)
+        budget = self.limits.max_num_batched_tokens
+        planned: dict[str, int] = {}
+
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = max(self.running, key=self._victim_key)
+                budget += planned.pop(victim.request_id, 0)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            else:
+                planned[request.request_id] = num_new
+                budget -= num_new
+
+        if not out.preempted:
+            budget = self._admit_waiting(budget, planned)
+
+        out.scheduled = [(r, planned[r.request_id]) for r in self.running if r.request_id in planned]
+        return out
+
+    def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            request = self.waiting.peek()
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = self._chunk(request.num_tokens - num_cached, budget)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            planned[request.request_id] = num_new
+            budget -= num_new
+        return budget
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance progress after a step; returns the requests that received a new token."""
+        advanced = []
+        for request, num_new in out.scheduled:
+            request.num_computed_tokens += num_new
+            self.kv.cache_full_blocks(request)
+            if request.num_computed_tokens == request.num_tokens:
+                request.token_ids.append(sampled[request.request_id])
+                advanced.append(request)
+        return advanced

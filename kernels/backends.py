@@ -1,0 +1,26 @@
+"""One attention API, three implementations: the reference oracle, the CPU fast path, Triton."""
+
+from typing import Callable, NamedTuple
+
+import torch
+
+
+class AttentionBackend(NamedTuple):
+    name: str
+    write_kv: Callable[..., None]
+    paged_attention: Callable[..., torch.Tensor]
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks Triton on CUDA and the CPU fast path elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "cpu"
+    if name == "reference":
+        from kvloom.kernels import reference as impl
+    elif name == "cpu":
+        from kvloom.kernels import cpu_attention as impl
+    elif name == "triton":
+        from kvloom.kernels import triton_attention as impl
+    else:
+        raise ValueError(f"attention_backend must be auto, reference, cpu or triton, got {name!r}")
+    return AttentionBackend(name, impl.write_kv, impl.paged_attention)

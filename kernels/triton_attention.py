@@ -1,0 +1,278 @@
+"""Triton paged attention: the fast path behind the same API as `kernels/reference.py`.
+
+Why: the reference loops over requests on the host and gathers each request's KV into dense
+tensors, which costs a copy of the whole context per step. These kernels read the paged cache in
+place, so one launch serves a whole mixed batch (prefill chunks with cached prefixes and decodes).
+
+Design (in the style of vLLM's triton "unified attention"):
+- `write_kv`: one program per new token scatters its [kv_heads, head_dim] K/V rows into the cache
+  slot from `slot_mapping`; slot -1 marks padding and is skipped.
+- `paged_attention`: grid (request, query tile, kv head). A program takes BLOCK_Q query tokens of
+  one request times every query head sharing that kv head (GQA), i.e. BLOCK_M = BLOCK_Q * GROUP
+  rows, so each K/V tile is loaded once per group. It walks the request's KV in BLOCK_N tiles,
+  translating positions to cache slots through `block_tables`, stops at the tile's causal limit,
+  and keeps an fp32 online softmax (exp2 with the scale folded in).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kvloom.kernels.metadata import AttentionMetadata
+
+# KV positions per inner-loop step; independent of the cache block size (a tile may span blocks).
+_BLOCK_N = 64
+# Query rows (tokens x heads of one GQA group) per program: small for decode-only batches, where
+# each request has one token, larger for prefill so K/V tiles are reused across more rows.
+_BLOCK_M_DECODE = 16
+_BLOCK_M_PREFILL = 64
+# Decided when the kernels below are decorated, exactly like `@triton.jit` itself does.
+_INTERPRETED = triton.knobs.runtime.interpret
+# Operand dtype of both matmuls: the cache's own (fp16/bf16 hit tensor cores), accumulation is fp32.
+_DOT_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Copy token `program_id(0)`'s K and V rows into its cache slot (unless the slot is -1)."""
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // block_size
+    offset = slot % block_size
+
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+
+    k = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
+    v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
+
+
+def write_kv(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store new tokens' K/V ([T, kv_heads, head_dim]) in their cache slots; slot -1 is skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    for t in (key_cache, value_cache, key, value):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"
+    _write_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        key_cache.shape[1],
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+    )
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    out_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    block_tables_ptr,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_bt,
+    head_dim,
+    BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """Causal attention for BLOCK_Q tokens of one request x the GROUP heads of one kv head."""
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2)
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # Row r of the tile is query token q_tile * BLOCK_Q + r // GROUP_PAD, head r % GROUP_PAD of
+    # the group; padded heads (GROUP < GROUP_PAD) and tokens past q_len are masked out.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = context_len + q_idx  # absolute position of each row's token
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < head_dim
+
+    token = (q_start + q_idx).to(tl.int64)
+    q_offsets = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(query_ptr + q_offsets, mask=io_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # The last valid token of this tile sees KV positions < kv_end; nothing past it is read.
+    kv_end = context_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for kv_start in range(0, kv_end, BLOCK_N):
+        kv_pos = kv_start + tl.arange(0, BLOCK_N)
+        kv_mask = kv_pos < kv_end
+        block = tl.load(table + kv_pos // BLOCK_SIZE, mask=kv_mask, other=0).to(tl.int64)
+        in_block = kv_pos % BLOCK_SIZE
+        k_offsets = (
+            block[None, :] * stride_kcb
+            + in_block[None, :] * stride_kcs
+            + kv_head * stride_kch
+            + dims[:, None]
+        )  # [BLOCK_D, BLOCK_N]: K already transposed for q @ k
+        v_offsets = (
+            block[:, None] * stride_vcb
+            + in_block[:, None] * stride_vcs
+            + kv_head * stride_vch
+            + dims[None, :]
+        )  # [BLOCK_N, BLOCK_D]
+        k_mask = dim_mask[:, None] & kv_mask[None, :]
+        v_mask = kv_mask[:, None] & dim_mask[None, :]
+        k = tl.load(key_cache_ptr + k_offsets, mask=k_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(value_cache_ptr + v_offsets, mask=v_mask, other=0.0).to(DOT_DTYPE)
+
+        # "ieee" keeps fp32 caches exact (tf32 would cost ~1e-3); fp16/bf16 use tensor cores anyway.
+        s = tl.dot(q, k, input_precision="ieee") * qk_scale  # log2 domain
+        causal = (kv_pos[None, :] <= q_pos[:, None]) & kv_mask[None, :]
+        s = tl.where(causal, s, float("-inf"))
+
+        # Every row sees KV position 0 in the first tile, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    o_offsets = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of packed queries [T, heads, head_dim] over the paged cache."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    for t in (query, key_cache, value_cache):
+        assert t.stride(-1) == 1, "head_dim must be contiguous"
+    out = torch.empty_like(query)
+    if num_tokens == 0 or meta.num_seqs == 0:
+        return out
+
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = _BLOCK_M_DECODE if meta.max_query_len == 1 else _BLOCK_M_PREFILL
+    block_m = max(block_m, group_pad)
+    block_q = block_m // group_pad
+    dot_dtype = _DOT_DTYPES[key_cache.dtype]
+    if _INTERPRETED and key_cache.dtype == torch.bfloat16:
+        # The CPU interpreter keeps bf16 as raw uint16 bits and would matmul those integers.
+        dot_dtype = tl.float32
+    grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        query,
+        key_cache,
+        value_cache,
+        out,
+        meta.query_start_loc,
+        meta.seq_lens,
+        meta.block_tables,
+        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        meta.block_tables.stride(0),
+        head_dim,
+        BLOCK_SIZE=key_cache.shape[1],
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        BLOCK_N=_BLOCK_N,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        DOT_DTYPE=dot_dtype,
+    )
+    return out

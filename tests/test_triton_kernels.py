@@ -1,0 +1,195 @@
+"""The Triton kernels must agree with the pure-torch oracle in `kernels/reference.py`.
+
+Without a GPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors. In
+triton 3.9 `@triton.jit` picks interpreter or compiler when it decorates (it reads
+`knobs.runtime.interpret`, i.e. the env var, at that moment), and triton's own helpers such as
+`tl.zeros`/`tl.max` are decorated when `triton` is first imported. So the flag only works if it is
+set before the first `import triton` in the process: this module sets it before importing triton.
+If something imported triton earlier without it (another test module, a plugin), these tests are
+skipped here and `test_whole_file_in_a_fresh_interpreter_process` re-runs this file in a new
+process with the flag set.
+"""
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton.language as tl  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import kvloom.kernels.triton_attention as triton_attention  # noqa: E402
+from kvloom.kernels import reference  # noqa: E402
+from kvloom.kernels.metadata import AttentionMetadata  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {
+    torch.float32: dict(atol=1e-4, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+NEEDS_FRESH_PROCESS = not torch.cuda.is_available() and not (
+    isinstance(tl.zeros, InterpretedFunction)
+    and isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
+)
+
+
+@pytest.fixture(autouse=True)
+def _kernels_runnable_in_this_process(request):
+    rerun = "test_whole_file_in_a_fresh_interpreter_process"
+    if NEEDS_FRESH_PROCESS and request.node.name != rerun:
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process instead")
+
+
+@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels already run in this process")
+def test_whole_file_in_a_fresh_interpreter_process():
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+
+
+def make_batch(
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """Random queries and a paged cache holding every request's first `seq_len` tokens.
+
+    Physical blocks are drawn from a shuffled pool larger than needed, so block tables are ragged
+    and non-contiguous. Every slot not holding a live token is NaN: a kernel that reads past a
+    request's `seq_len` or into a foreign block poisons its output.
+    """
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    blocks_needed = [(s + block_size - 1) // block_size for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 3
+    pool = list(range(num_blocks))
+    rng.shuffle(pool)
+    tables = []
+    for n in blocks_needed:
+        tables.append(pool[:n])
+        pool = pool[n:]
+
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    for table, seq_len in zip(tables, seq_lens):
+        for pos in range(seq_len):
+            block, offset = table[pos // block_size], pos % block_size
+            key_cache[block, offset] = torch.randn(num_kv_heads, head_dim, device=DEVICE)
+            value_cache[block, offset] = torch.randn(num_kv_heads, head_dim, device=DEVICE)
+
+    query = torch.randn(sum(query_lens), num_heads, head_dim, device=DEVICE).to(dtype)
+    meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=DEVICE)
+    return query, key_cache, value_cache, meta
+
+
+def assert_attention_matches_reference(query_lens: list[int], seq_lens: list[int], **kwargs):
+    query, key_cache, value_cache, meta = make_batch(query_lens, seq_lens, **kwargs)
+    scale = query.shape[-1] ** -0.5
+    expected = reference.paged_attention(query, key_cache, value_cache, meta, scale)
+    actual = triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    assert not actual.isnan().any(), "kernel read a slot outside the live KV"
+    torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[query.dtype])
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_prefill_chunk_over_cached_prefix_spanning_several_blocks(head_dim):
+    # 20 new tokens after an 80-token prefix (5 blocks); KV spans two 64-wide tiles and the
+    # chunk two query tiles, so the causal limit differs per tile.
+    assert_attention_matches_reference([20], [100], head_dim=head_dim)
+
+
+def test_fresh_prefill_is_causal_from_position_zero():
+    assert_attention_matches_reference([37], [37], num_heads=2, num_kv_heads=2)
+
+
+def test_pure_decode_batch_with_ragged_contexts():
+    assert_attention_matches_reference([1, 1, 1, 1], [1, 17, 40, 130])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_prefill_and_decode_batch(block_size):
+    # fresh prefill, decode, chunk over a prefix, decode at an exact block boundary
+    assert_attention_matches_reference([20, 1, 5, 1], [20, 33, 37, 64], block_size=block_size)
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads",
+    [(8, 2), (9, 3), (4, 4), (4, 1)],
+    ids=["gqa-8/2", "gqa-9/3-smollm2", "mha", "mqa"],
+)
+def test_grouped_query_attention_maps_heads_to_their_kv_head(num_heads, num_kv_heads):
+    assert_attention_matches_reference(
+        [9, 1, 3], [30, 50, 3], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_caches_accumulate_in_fp32(dtype):
+    assert_attention_matches_reference([12, 1], [40, 70], num_heads=9, num_kv_heads=3, dtype=dtype)
+
+
+def test_empty_batch_returns_empty_output():
+    query, key_cache, value_cache, _ = make_batch([1], [1])
+    meta = AttentionMetadata.build([], [], [], 16, device=DEVICE)
+    out = triton_attention.paged_attention(query[:0], key_cache, value_cache, meta, 0.125)
+    assert out.shape == (0, *query.shape[1:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_stores_rows_in_slots_and_skips_padding(dtype):
+    torch.manual_seed(0)
+    num_blocks, block_size, kv_heads, head_dim = 4, 16, 3, 64
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    value_cache = torch.randn(shape, device=DEVICE).to(dtype)
+    # K and V as strided views into one fused projection output, like a real QKV split.
+    slot_mapping = torch.tensor([5, 17, -1, 63, 32, -1], device=DEVICE)
+    fused = torch.randn(len(slot_mapping), 2, kv_heads, head_dim, device=DEVICE).to(dtype)
+    key, value = fused[:, 0], fused[:, 1]
+
+    live = slot_mapping >= 0
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv(expected_k, expected_v, key[live], value[live], slot_mapping[live])
+    triton_attention.write_kv(key_cache, value_cache, key, value, slot_mapping)
+
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+def test_write_then_attend_matches_reference_step():
+    # One engine step: store the new tokens' K/V, then attend over prefix + new tokens.
+    query_lens, seq_lens = [6, 1], [22, 9]
+    query, key_cache, value_cache, meta = make_batch(query_lens, seq_lens, num_heads=8)
+    new_k = torch.randn(sum(query_lens), *key_cache.shape[2:], device=DEVICE)
+    new_v = torch.randn_like(new_k)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv(ref_k, ref_v, new_k, new_v, meta.slot_mapping)
+    triton_attention.write_kv(key_cache, value_cache, new_k, new_v, meta.slot_mapping)
+
+    scale = query.shape[-1] ** -0.5
+    expected = reference.paged_attention(query, ref_k, ref_v, meta, scale)
+    actual = triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
+    torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
