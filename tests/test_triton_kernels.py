@@ -116,13 +116,13 @@ def assert_attention_matches_reference(query_lens: list[int], seq_lens: list[int
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_prefill_chunk_over_cached_prefix_spanning_several_blocks(head_dim):
-    # 20 new tokens after an 80-token prefix (5 blocks); KV spans two 64-wide tiles and the
-    # chunk two query tiles, so the causal limit differs per tile.
-    assert_attention_matches_reference([20], [100], head_dim=head_dim)
+    # 40 new tokens after an 80-token prefix (5 blocks): the KV walk takes several tiles and the
+    # chunk splits into query tiles (16 tokens x 4 heads each) with different causal limits.
+    assert_attention_matches_reference([40], [120], num_heads=8, head_dim=head_dim)
 
 
 def test_fresh_prefill_is_causal_from_position_zero():
-    assert_attention_matches_reference([37], [37], num_heads=2, num_kv_heads=2)
+    assert_attention_matches_reference([37], [37], num_heads=4, num_kv_heads=1)
 
 
 def test_pure_decode_batch_with_ragged_contexts():
@@ -132,7 +132,9 @@ def test_pure_decode_batch_with_ragged_contexts():
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_mixed_prefill_and_decode_batch(block_size):
     # fresh prefill, decode, chunk over a prefix, decode at an exact block boundary
-    assert_attention_matches_reference([20, 1, 5, 1], [20, 33, 37, 64], block_size=block_size)
+    assert_attention_matches_reference(
+        [20, 1, 5, 1], [20, 33, 37, 64], num_heads=8, block_size=block_size
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,94 @@
+"""Shared fixtures: the embedded SmolLM2 model, a tiny random GQA Llama, and greedy references."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_tiny_llama(path: Path, seed: int = 0) -> Path:
+    """A 2-layer random Llama with grouped-query attention and a word-level tokenizer."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = Whitespace()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from kvloom.engine.model_loader import resolve_model_dir
+
+    return resolve_model_dir("smollm2")
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate`, batch 1, greedy: the reference our engine must match token for token."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    eos = model.generation_config.eos_token_id
+    results = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+            )
+            results.append(out[0, len(ids):].tolist())
+    return results
+
+
+def run_to_completion(engine, prompts, params, arrivals: dict[int, list[int]] | None = None):
+    """Drive an LLMEngine step by step; `arrivals` maps step number -> prompt indices added then.
+
+    Returns the finished outputs in prompt order and the peak-usage bound checked every step.
+    """
+    arrivals = arrivals or {0: list(range(len(prompts)))}
+    pending = dict(arrivals)
+    finished = {}
+    step = 0
+    while pending or engine.has_unfinished():
+        for index in pending.pop(step, []):
+            engine.add_request(f"r{index}", prompts[index], params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        assert step < 100_000, "engine made no progress"
+    return [finished[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="session")
+def greedy_reference():
+    return hf_greedy
+
+
+@pytest.fixture(scope="session")
+def drive():
+    return run_to_completion
