@@ -17,9 +17,24 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()  # the full block's tokens, compared on a hash hit
 
 
+ROOT_HASH = 0x6B766C6F6F6D  # parent of a first block; hash(None) would differ between processes
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's identity depends on every token before it."""
-    return hash((parent_hash, token_ids))
+    """Chained hash: a block's identity depends on every token before it.
+
+    Tuples of ints hash the same in every process, so the router can compute a prompt's block
+    hashes and match them against what replicas report as cached.
+    """
+    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+
+
+def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of every full block of a prompt, in order."""
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size])))
+    return hashes
 
 
 @dataclass
@@ -91,7 +106,7 @@ class BlockPool:
         block.block_hash, block.token_ids = block_hash, token_ids
         self.cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for block in self.cached.values():
-            block.block_hash, block.token_ids = None, ()
-        self.cached.clear()
+    def recent_hashes(self, limit: int) -> list[int]:
+        """The most recently registered cached-block hashes (a compact summary for routing)."""
+        hashes = list(self.cached)
+        return hashes[-limit:]

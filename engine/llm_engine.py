@@ -5,6 +5,7 @@ All state hangs off the instance (no module globals), so several engines can sha
 
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass
 
@@ -53,7 +54,9 @@ def resolve_device(requested: str) -> torch.device:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        config = config or EngineConfig(**overrides)
+        if overrides:  # on top of `config` if given; validated, so an unknown key still fails
+            config = EngineConfig(**{**(config.model_dump() if config else {}), **overrides})
+        config = config or EngineConfig()
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -159,6 +162,10 @@ class LLMEngine:
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:  # a float id would pass the range check below and then fail every later step
+            token_ids = [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt", "token ids must be integers") from None
         if not token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if len(token_ids) >= self.max_model_len:

@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from kvloom.engine.attention import ATTENTION_NAME, register_attention
 
@@ -127,6 +128,6 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device):
         hf_model = AutoModelForCausalLM.from_pretrained(
             model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
         )
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file raises SafetensorError
         raise ModelLoadError(f"cannot load model from {model_dir}: {exc}") from exc
     return hf_model.to(device).eval(), tokenizer

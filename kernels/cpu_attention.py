@@ -31,7 +31,12 @@ def _decode(
     keys = key_cache[tables].view(batch, num_blocks * block_size, *key_cache.shape[2:])
     values = value_cache[tables].view(batch, num_blocks * block_size, *value_cache.shape[2:])
     lengths = torch.tensor(seq_lens).unsqueeze(1)
-    mask = (torch.arange(num_blocks * block_size).unsqueeze(0) < lengths).view(batch, 1, 1, -1)
+    valid = torch.arange(num_blocks * block_size).unsqueeze(0) < lengths  # [B, S]
+    # slots past a request's context (its last block's tail, padded table entries) hold stale data
+    # of other requests, possibly inf/NaN; a masked score still multiplies its value (0 * inf = NaN)
+    keys.masked_fill_(~valid[:, :, None, None], 0)
+    values.masked_fill_(~valid[:, :, None, None], 0)
+    mask = valid.view(batch, 1, 1, -1)
     q = query[rows].unsqueeze(2)  # [B, H, 1, D]
     out = F.scaled_dot_product_attention(
         q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True

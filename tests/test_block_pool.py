@@ -10,7 +10,7 @@ import copy
 
 import pytest
 
-from kvloom.engine.block_pool import BlockPool, hash_block
+from kvloom.engine.block_pool import BlockPool, hash_block, prompt_block_hashes
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
@@ -286,14 +286,27 @@ class TestPrefixLookup:
         assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
         assert (kv.stats.queries, kv.stats.hits) == (0, 0)
 
-    def test_reset_prefix_cache_forgets_every_hash(self):
-        kv = KVCacheManager(num_blocks=6, block_size=2)
-        a = make_request("a", [1, 2, 3, 4, 5])
-        compute(kv, a, 5)
-        kv.free(a)
-        kv.pool.reset_prefix_cache()
-        assert kv.pool.cached == {} and all(b.block_hash is None for b in kv.pool.blocks)
-        assert kv.find_cached_prefix(make_request("b", [1, 2, 3, 4, 5])) == []
+    def test_prompt_block_hashes_match_what_the_manager_registers(self):
+        """The router hashes prompts itself; its hashes must name the blocks replicas cache."""
+        kv = KVCacheManager(num_blocks=16, block_size=4)
+        tokens = list(range(30, 45))  # 15 tokens: 3 full blocks
+        req = make_request("r", tokens)
+        compute(kv, req, len(tokens))
+        assert prompt_block_hashes(tokens, 4) == req.block_hashes == chain_hashes(tokens, 4)
+        assert len(req.block_hashes) == 3
+        assert all(h in kv.pool.cached for h in prompt_block_hashes(tokens, 4))
+        assert prompt_block_hashes(tokens[:3], 4) == []
+
+    def test_recent_hashes_lists_the_latest_registered_and_drops_evicted(self):
+        pool = BlockPool(3)
+        blocks = pool.allocate(3)
+        for i, b in enumerate(blocks):
+            pool.register(b, 10 + i, (i,))
+        assert pool.recent_hashes(2) == [11, 12]
+        assert pool.recent_hashes(10) == [10, 11, 12]
+        pool.release(blocks[0])
+        pool.allocate(1)  # evicts hash 10
+        assert pool.recent_hashes(10) == [11, 12]
 
 
 class TestFindCachedPrefixLeavesTheLastToken:

@@ -7,7 +7,8 @@ read. So a block shared or evicted wrongly, a prefix hit on the wrong block, or 
 repeats tokens shows up as a failed check (and as a wrong generated token).
 
 Checked on random workloads (arrivals over steps, shared prompt prefixes, aborts, small pools,
-every block size / budget / policy / chunking / prefix-caching combination):
+every block size / budget / policy / chunking / prefix-caching combination, distinct or tied
+arrival times):
   (a) everything finishes or is aborted within a bounded number of steps;
   (b) afterwards every block is free with ref count 0 and the manager holds nothing;
   (c) no step exceeds the token budget or max_num_seqs;
@@ -27,7 +28,7 @@ import random
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
@@ -82,10 +83,11 @@ class Scenario:
     policy: str
     requests: list[ReqSpec]  # in arrival order
     aborts: list[tuple[int, int]] = field(default_factory=list)  # (step, request index)
+    tied_arrivals: bool = False  # arrival_time = arrival step, so requests of one step tie
 
 
 @st.composite
-def scenarios(draw, policy=None, with_aborts=True, max_requests=10):
+def scenarios(draw, policy=None, with_aborts=True, max_requests=12):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     chunked = draw(st.booleans())
     prefix_caching = draw(st.booleans())
@@ -117,8 +119,9 @@ def scenarios(draw, policy=None, with_aborts=True, max_requests=10):
     aborts = []
     if with_aborts:
         aborts = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, n - 1)), max_size=3))
+    tied = draw(st.booleans())
     return Scenario(block_size, num_blocks, max_num_seqs, budget, chunked, prefix_caching, policy,
-                    specs, aborts)
+                    specs, aborts, tied)
 
 
 # ---- the simulator ---------------------------------------------------------------------------------
@@ -142,6 +145,7 @@ class Simulation:
         self.max_used_seen = 0
         self.step = 0
         self.total_prefix_hit_tokens = 0
+        self.waiter_preemptions = 0  # (f) situations met
         self._instrument_pool()
 
     def _instrument_pool(self) -> None:
@@ -164,7 +168,7 @@ class Simulation:
         ph = self.prefix_hash[r.request_id]
         while len(ph) < upto:
             ph.append(next_hash(ph[-1] if ph else 0, r.token_ids[len(ph)]))
-        return ph
+        return ph[:upto]
 
     def read_kv(self, r: Request, upto: int) -> list[int | None]:
         bs = self.sc.block_size
@@ -177,7 +181,7 @@ class Simulation:
     def bound(self) -> int:
         specs = self.sc.requests
         work = sum(len(s.prompt) + s.max_tokens for s in specs)
-        return specs[-1].arrival_step + 10 * work + 100
+        return specs[-1].arrival_step + 4 * work + 100
 
     def run(self) -> "Simulation":
         sc, sched = self.sc, self.sched
@@ -195,7 +199,7 @@ class Simulation:
             for i in by_step.get(self.step, []):
                 spec = sc.requests[i]
                 r = Request(f"r{i}", list(spec.prompt), SamplingParams(max_tokens=spec.max_tokens),
-                            priority=spec.priority, arrival_time=float(i))
+                            priority=spec.priority, arrival_time=self.arrival_time(i))
                 self.requests.append(r)
                 self.prefix_hash[r.request_id] = []
                 sched.add_request(r)
@@ -205,6 +209,13 @@ class Simulation:
             self.one_step()
             self.step += 1
         return self
+
+    def arrival_time(self, i: int) -> float:
+        return float(self.sc.requests[i].arrival_step if self.sc.tied_arrivals else i)
+
+    def before(self, a, b) -> bool:
+        """Queue order: strictly before, or not after when arrival times may tie."""
+        return a <= b if self.sc.tied_arrivals else a < b
 
     def abort(self, r: Request) -> None:
         self.sched.finish_request(r, RequestStatus.FINISHED_ABORTED)
@@ -222,6 +233,7 @@ class Simulation:
 
         # ---- (f) a waiting request outranking a running one preempts it when the batch/pool is full
         if expected_victim is not None:
+            self.waiter_preemptions += 1
             assert expected_victim in out.preempted, "higher-priority waiter did not preempt"
             assert sched.num_preemptions > preemptions_before
         assert sched.num_preemptions == preemptions_before + len(out.preempted)
@@ -254,12 +266,12 @@ class Simulation:
         assert all(r.block_ids == [] and r.num_computed_tokens == 0 for r in waiting)
         key = self.queue_key
         if admitted and waiting:
-            assert max(map(key, admitted)) < min(map(key, waiting)), "admitted out of queue order"
+            assert self.before(max(map(key, admitted)), min(map(key, waiting))), "admitted out of order"
         if sc.policy == "fcfs":
             arrivals = [r.arrival_time for r in sched.running]
             assert arrivals == sorted(arrivals)
             if sched.running and waiting:
-                assert max(arrivals) < min(r.arrival_time for r in waiting)
+                assert self.before(max(arrivals), min(r.arrival_time for r in waiting))
 
         # ---- (d) block accounting
         holders: dict[int, int] = {}
@@ -378,30 +390,41 @@ def simulate(sc: Scenario) -> Simulation:
     return sim
 
 
+def record_events(sim: Simulation) -> None:
+    """Coverage notes for `--hypothesis-show-statistics`."""
+    event(f"preempted: {sim.sched.num_preemptions > 0}")
+    event(f"prefix hits: {sim.kv.stats.hits > 0}")
+    event(f"aborted: {bool(sim.aborted)}")
+    event(f"evictions: {sim.kv.pool.num_evictions > 0}")
+    if sim.sc.policy == "priority":
+        event(f"priority waiter preempted a running request: {sim.waiter_preemptions > 0}")
+
+
 # ---- properties -------------------------------------------------------------------------------------
 
 COMMON = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@settings(max_examples=120, **COMMON)
+@settings(max_examples=300, **COMMON)
 @given(scenarios())
 def test_random_workloads_keep_every_invariant(sc):
-    simulate(sc)
+    record_events(simulate(sc))
 
 
-@settings(max_examples=60, **COMMON)
+@settings(max_examples=150, **COMMON)
 @given(scenarios(policy="fcfs", with_aborts=False))
 def test_fcfs_without_aborts_serves_in_arrival_order(sc):
     sim = simulate(sc)
+    record_events(sim)
     ids = [r.request_id for r in sim.requests]
     assert sim.admission_order == ids  # every request admitted, in arrival order
     assert sorted(sim.first_token, key=lambda i: int(i[1:])) == ids
 
 
-@settings(max_examples=60, **COMMON)
+@settings(max_examples=150, **COMMON)
 @given(scenarios(policy="priority"))
 def test_priority_workloads_keep_every_invariant(sc):
-    simulate(sc)
+    record_events(simulate(sc))
 
 
 # ---- deterministic examples ------------------------------------------------------------------------
@@ -461,6 +484,36 @@ def step(sched: Scheduler):
 def new_scheduler(policy="priority", max_num_seqs=4, num_blocks=64, block_size=4, budget=64):
     kv = KVCacheManager(num_blocks, block_size)
     return Scheduler(SchedulerLimits(max_num_seqs, budget, True, policy), kv)
+
+
+class TestVictimWhenThePoolRunsDry:
+    def two_decoding(self, policy, priorities):
+        # block_size 1, 12 blocks: two 5-token prompts fill 10, the first decodes fill the rest
+        sched = new_scheduler(policy=policy, max_num_seqs=2, num_blocks=12, block_size=1)
+        a = make(sched, "a", 5, 10, priority=priorities[0], arrival=0.0)
+        b = make(sched, "b", 5, 10, priority=priorities[1], arrival=1.0)
+        step(sched)
+        out = step(sched)
+        assert out.preempted == [] and sched.kv.pool.num_free == 0
+        return sched, a, b
+
+    def test_fcfs_preempts_the_latest_arrival(self):
+        sched, a, b = self.two_decoding("fcfs", (0, 0))
+        out = step(sched)
+        assert out.preempted == [b] and [r for r, _ in out.scheduled] == [a]
+        assert b.status == RequestStatus.PREEMPTED and b.num_output_tokens == 2
+
+    def test_priority_preempts_the_least_urgent_even_if_it_came_first(self):
+        sched, a, b = self.two_decoding("priority", (1, 0))
+        out = step(sched)
+        assert out.preempted == [a] and [r for r, _ in out.scheduled] == [b]
+
+    def test_the_preempted_request_resumes_with_its_output_kept(self):
+        sched, a, b = self.two_decoding("fcfs", (0, 0))
+        while sched.has_unfinished:
+            step(sched)
+        assert a.num_output_tokens == b.num_output_tokens == 10
+        assert b.num_preemptions >= 1 and a.num_preemptions == 0
 
 
 class TestPriorityPreemption:

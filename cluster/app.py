@@ -1,0 +1,52 @@
+"""Builds the Serve application: a Router ingress bound to a pool of EngineReplica deployments.
+
+`build_app(config)` returns a Serve Application; `app_builder` lets `serve run` / `serve deploy`
+use it directly: `serve run kvloom.cluster.app:app_builder config=configs/local-cpu.yaml`.
+"""
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from kvloom.cluster.config import ClusterConfig, load_cluster_config
+from kvloom.replicas.engine_replica import EngineReplica
+from kvloom.router.request_router import TargetedRequestRouter
+from kvloom.router.server import Router
+
+ROUTER_NAME = "Router"
+REPLICA_NAME = "EngineReplica"
+
+
+def build_app(config: ClusterConfig) -> serve.Application:
+    scaling = (
+        {"autoscaling_config": config.autoscaling_config}
+        if config.autoscaling_config
+        else {"num_replicas": config.num_replicas or 1}
+    )
+    resources = config.resources
+    replicas = serve.deployment(EngineReplica).options(
+        name=REPLICA_NAME,
+        ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
+        max_ongoing_requests=config.engine.max_num_seqs + config.router.replica_slack,
+        request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
+        health_check_period_s=2,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=5,
+        **scaling,
+    )
+    router = serve.deployment(Router).options(
+        name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
+    )
+    settings = {
+        "served_model_name": config.model_name,
+        "model": config.engine.model,
+        "block_size": config.engine.block_size,
+        **config.router.model_dump(),
+    }
+    engine = config.engine.model_dump(exclude_unset=True)
+    return router.bind(replicas.bind(engine, router_name=ROUTER_NAME, torch_threads=resources.torch_threads), settings)
+
+
+def app_builder(args: dict) -> serve.Application:
+    """Entry point for `serve run kvloom.cluster.app:app_builder config=PATH`."""
+    config = load_cluster_config(args["config"]) if "config" in args else ClusterConfig()
+    return build_app(config)

@@ -1,0 +1,69 @@
+"""ClusterConfig: one YAML file describes a deployment (model, engine knobs, replicas, router, HTTP)."""
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvloom.engine.config import EngineConfig
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ReplicaResources(Strict):
+    num_cpus: float = Field(1, ge=0)
+    num_gpus: float = Field(0, ge=0)
+    torch_threads: int | None = Field(None, ge=1, description="intra-op threads per CPU replica")
+
+
+class RouterConfig(Strict):
+    max_queued_requests: int = Field(512, ge=1)
+    replica_slack: int = Field(4, ge=0, description="requests a replica may queue beyond max_num_seqs")
+    imbalance_threshold: int = Field(8, ge=0, description="load gap that overrides prefix affinity")
+    max_retries: int = Field(2, ge=0)
+
+
+class HTTPConfig(Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class ClusterConfig(Strict):
+    name: str = "kvloom"
+    served_model_name: str | None = None
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    num_replicas: int | None = Field(None, ge=1)
+    autoscaling_config: dict[str, Any] | None = None
+    resources: ReplicaResources = Field(default_factory=ReplicaResources)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    http: HTTPConfig = Field(default_factory=HTTPConfig)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.engine.model
+
+
+class ClusterConfigError(ValueError):
+    pass
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    """Parse a YAML file; errors name the file and the offending key."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ClusterConfigError(f"{path}: cannot read config: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ClusterConfigError(f"{path}: invalid YAML: {exc}") from exc
+    try:
+        config = ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise ClusterConfigError(f"{path}: {problems}") from exc
+    if config.num_replicas and config.autoscaling_config:
+        raise ClusterConfigError(f"{path}: num_replicas: set either num_replicas or autoscaling_config, not both")
+    return config

@@ -1,0 +1,136 @@
+"""AsyncLLMEngine: a background step loop with one async stream per request.
+
+The engine runs in its own thread so a forward pass never blocks the caller's event loop.
+Callers talk to it through a command queue drained at the top of every step (the engine's
+state is only ever touched by its thread); outputs travel back with `call_soon_threadsafe`.
+Cancelling a `generate()` iterator aborts the request and frees its blocks.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kvloom.engine.config import EngineConfig
+from kvloom.engine.llm_engine import EngineStats, LLMEngine
+from kvloom.engine.outputs import RequestOutput
+from kvloom.engine.request import Request
+from kvloom.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed; the engine serves nothing more."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+        self.engine = engine or LLMEngine(config or EngineConfig())
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self.dead_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvloom-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side ------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream incremental outputs; raises InvalidRequestError before anything is queued."""
+        self.check_health()
+        request_id = request_id or uuid.uuid4().hex
+        request = self.engine.make_request(request_id, prompt, params, priority)
+        async for output in self.generate_request(request):
+            yield output
+
+    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request.request_id] = stream
+        self._send("add", request)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
+        if not self._thread.is_alive() and not self._stopped:
+            raise EngineDeadError("engine loop is not running")
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, kind: str, payload) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_prepared(payload)
+                except Exception as exc:  # e.g. a duplicate id: fail that stream only
+                    stream = self._streams.get(payload.request_id)
+                    if stream:
+                        stream.put(exc)
+            else:
+                self.engine.abort(payload)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopped:
+                self._wake.clear()
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=1.0)
+                    continue
+                for output in self.engine.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+        except BaseException as exc:
+            logger.exception("kvloom engine loop died")
+            self.dead_error = exc
+            for stream in list(self._streams.values()):
+                stream.put(EngineDeadError(f"engine loop died: {exc!r}"))

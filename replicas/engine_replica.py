@@ -1,0 +1,116 @@
+"""EngineReplica: one AsyncLLMEngine per Ray Serve replica (a GPU, or a CPU slot).
+
+It streams plain-dict chunks (they cross process boundaries), reports bad input as an error
+chunk instead of raising (so the router can answer 400 before any byte is sent), and pushes its
+stats to the router every `stats_period_s`, which is how the router learns which replicas exist,
+how loaded they are and which prefixes they hold.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import torch
+import ray
+from ray import serve
+
+from kvloom.engine.async_engine import AsyncLLMEngine
+from kvloom.engine.config import EngineConfig
+from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+PREFIX_SUMMARY_SIZE = 4096  # most recent cached-block hashes published for prefix affinity
+
+
+def engine_device(config: EngineConfig) -> EngineConfig:
+    """Use CUDA only when Ray gave this actor a GPU that torch can see; say so either way."""
+    if config.device != "auto":
+        return config
+    gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    if gpu_ids and torch.cuda.is_available():
+        logger.info("kvloom replica runs on CUDA (Ray GPU ids %s)", gpu_ids)
+        return config.model_copy(update={"device": "cuda"})
+    if gpu_ids:
+        logger.warning("kvloom replica was given GPU ids %s but no CUDA device exists: running on CPU", gpu_ids)
+    else:
+        logger.info("kvloom replica runs on CPU")
+    return config.model_copy(update={"device": "cpu"})
+
+
+class EngineReplica:
+    async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
+                       torch_threads: int | None = None) -> None:
+        if torch_threads:
+            torch.set_num_threads(torch_threads)
+        self.config = engine_device(EngineConfig(**engine_config))
+        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config)
+        context = serve.get_replica_context()
+        self.replica_id = context.replica_id.unique_id
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self._stats_task = None
+        if router_name:
+            router = serve.get_deployment_handle(router_name, context.app_name)
+            self._stats_task = asyncio.get_running_loop().create_task(self._push_stats(router, stats_period_s))
+
+    async def _push_stats(self, router, period_s: float) -> None:
+        while True:
+            try:
+                await router.report_replica_stats.remote(self.stats())
+            except Exception as exc:  # the router may be starting or restarting; keep trying
+                logger.debug("stats push failed: %r", exc)
+            await asyncio.sleep(period_s)
+
+    def stats(self) -> dict:
+        engine = self.engine.engine
+        s = engine.stats()
+        return {
+            "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "device": str(engine.device),
+            "max_num_seqs": self.config.max_num_seqs,
+            "block_size": engine.block_size,
+            "max_model_len": engine.max_model_len,
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_blocks": s.num_blocks,
+            "num_free_blocks": s.num_free_blocks,
+            "kv_cache_usage": s.kv_cache_usage,
+            "prefix_cache_queries": s.prefix_cache_queries,
+            "prefix_cache_hits": s.prefix_cache_hits,
+            "num_preemptions": s.num_preemptions,
+            "cached_prefix_hashes": engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
+            "healthy": self.engine.dead_error is None,
+            "time": time.time(),
+        }
+
+    async def generate(self, request: dict, target_replica: str | None = None) -> AsyncIterator[dict]:
+        """Stream chunks for one request: {"error": ...} first and alone if it is invalid."""
+        try:
+            params = SamplingParams(**request["sampling"])
+            req = self.engine.engine.make_request(
+                request["request_id"], request["prompt_token_ids"], params, request.get("priority", 0)
+            )
+        except (InvalidRequestError, ValueError) as exc:
+            yield {"error": {"message": str(exc), "param": getattr(exc, "field", None)}, "replica": self.replica_id}
+            return
+        async for output in self.engine.generate_request(req):
+            completion = output.outputs[0]
+            yield {
+                "replica": self.replica_id,
+                "text": completion.delta_text,
+                "token_ids": completion.delta_token_ids,
+                "logprobs": completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": len(output.prompt_token_ids),
+                "completion_tokens": len(completion.token_ids),
+                "cached_tokens": output.num_cached_tokens,
+            }
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def check_health(self) -> None:
+        """Serve calls this periodically; raising makes Serve replace the replica."""
+        self.engine.check_health()

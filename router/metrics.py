@@ -1,0 +1,57 @@
+"""Prometheus metrics (prefix `kvloom:`), one registry per router instance.
+
+Request-level series (tokens, latencies) are observed by the router as it streams; engine-level
+series (running, waiting, KV usage, prefix cache, preemptions) come from the replicas' latest
+stats at scrape time.
+"""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvloom.router.replica_table import ReplicaTable
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class ReplicaStatsCollector:
+    def __init__(self, table: ReplicaTable) -> None:
+        self.table = table
+
+    def collect(self):
+        gauges = {
+            "num_requests_running": GaugeMetricFamily("kvloom:num_requests_running", "Requests in engine batches", labels=["replica"]),
+            "num_requests_waiting": GaugeMetricFamily("kvloom:num_requests_waiting", "Requests waiting in engines", labels=["replica"]),
+            "kv_cache_usage_perc": GaugeMetricFamily("kvloom:kv_cache_usage_perc", "Fraction of KV blocks in use", labels=["replica"]),
+        }
+        counters = {
+            "prefix_cache_queries": CounterMetricFamily("kvloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["replica"]),
+            "prefix_cache_hits": CounterMetricFamily("kvloom:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["replica"]),
+            "num_preemptions": CounterMetricFamily("kvloom:num_preemptions", "Requests preempted by recompute", labels=["replica"]),
+        }
+        for replica in self.table.live():
+            s = replica.stats
+            gauges["num_requests_running"].add_metric([replica.replica_id], s["num_running"])
+            gauges["num_requests_waiting"].add_metric([replica.replica_id], s["num_waiting"])
+            gauges["kv_cache_usage_perc"].add_metric([replica.replica_id], s["kv_cache_usage"])
+            for name, family in counters.items():
+                family.add_metric([replica.replica_id], s[name])
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class RouterMetrics:
+    def __init__(self, table: ReplicaTable) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(ReplicaStatsCollector(table))
+        r = self.registry
+        self.router_queued = Gauge("kvloom:router_queue_length", "Requests waiting in the router", registry=r)
+        self.requests = Counter("kvloom:requests", "Finished requests", ["tenant", "finish_reason", "replica"], registry=r)
+        self.prompt_tokens = Counter("kvloom:prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r)
+        self.generation_tokens = Counter("kvloom:generation_tokens", "Tokens generated", ["tenant"], registry=r)
+        self.ttft = Histogram("kvloom:time_to_first_token_seconds", "Time to first token", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvloom:time_per_output_token_seconds", "Time per output token after the first", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvloom:e2e_request_latency_seconds", "Request latency", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("kvloom:request_queue_time_seconds", "Time queued in the router", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

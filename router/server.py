@@ -1,0 +1,222 @@
+"""The Serve ingress: OpenAI-compatible HTTP API in front of the engine replicas.
+
+`api` is only the route table: Serve's class-based ingress must rewrite it at import time in
+every process that imports this module, so it lives at module level; all runtime state lives on
+the `Router` instance.
+"""
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+from ray import serve
+
+from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.router.admission import AdmissionQueue
+from kvloom.router.dispatcher import Dispatcher, Job
+from kvloom.router.errors import APIError, validation_error
+from kvloom.router.metrics import RouterMetrics
+from kvloom.router.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from kvloom.router.replica_table import ReplicaTable
+
+
+class RouterSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    served_model_name: str
+    model: str  # what the tokenizer is loaded from
+    block_size: int = 16
+    max_queued_requests: int = 512
+    replica_slack: int = 4
+    imbalance_threshold: int = 8
+    max_retries: int = 2
+
+
+api = FastAPI(title="kvloom", description="OpenAI-compatible LLM serving")
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+@serve.ingress(api)
+class Router:
+    def __init__(self, replicas_handle, settings: dict) -> None:
+        from transformers import AutoTokenizer
+
+        from kvloom.engine.model_loader import resolve_model_dir
+
+        self.settings = RouterSettings(**settings)
+        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(self.settings.model), local_files_only=True)
+        self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
+        self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests)
+        self.metrics = RouterMetrics(self.table)
+        self.dispatcher = Dispatcher(replicas_handle, self.admission, self.metrics, self.settings.max_retries)
+        self.created = int(time.time())
+
+    # ---- called by replicas -----------------------------------------------------------------
+    async def report_replica_stats(self, stats: dict) -> None:
+        self.table.report(stats)
+        self.admission.pump()
+
+    async def replica_stats(self) -> list[dict]:
+        return [dict(r.stats, inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
+                for r in self.table.live()]
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _check_model(self, model: str) -> None:
+        if model not in (self.settings.served_model_name, self.settings.model):
+            raise APIError(404, f"model '{model}' does not exist; this server serves "
+                                f"'{self.settings.served_model_name}'", "model", "model_not_found")
+
+    async def _parse(self, request: Request, schema):
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"malformed JSON body: {exc}", None, "invalid_json") from exc
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", None, "invalid_json")
+        try:
+            parsed = schema.model_validate(body)
+            parsed.check_supported()
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from exc
+        except UnsupportedFieldError as exc:
+            raise APIError(400, str(exc), exc.field, "unsupported_field") from exc
+        self._check_model(parsed.model)
+        return parsed
+
+    def _job(self, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
+        try:
+            sampling = body.sampling_params(max_tokens or 1, logprobs).model_dump()
+        except ValidationError as exc:
+            raise validation_error(exc.errors()) from exc
+        if max_tokens is None:
+            del sampling["max_tokens"]  # the replica fills in "up to max_model_len"
+        request_id = uuid.uuid4().hex
+        payload = {"request_id": request_id, "prompt_token_ids": token_ids, "sampling": sampling,
+                   "priority": body.priority or 0}
+        return Job(request_id, payload, prompt_block_hashes(token_ids, self.settings.block_size),
+                   priority=body.priority or 0)
+
+    async def _start(self, job: Job) -> tuple[dict, AsyncIterator[dict]]:
+        """Run until the first chunk, so errors become a proper status before any byte is sent."""
+        stream = self.dispatcher.run(job)
+        first = await stream.__anext__()
+        if "error" in first:
+            await stream.aclose()
+            raise APIError(400, first["error"]["message"], first["error"].get("param"), "invalid_value")
+        return first, stream
+
+    # ---- endpoints --------------------------------------------------------------------------
+    @api.get("/health")
+    async def health(self) -> dict:
+        live = self.table.live()
+        if not live:
+            raise APIError(503, "no engine replica is ready yet", code="no_replicas")
+        return {"status": "ok", "replicas": len(live)}
+
+    @api.get("/metrics")
+    async def metrics_endpoint(self) -> Response:
+        self.metrics.router_queued.set(len(self.admission))
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model",
+                                             "created": self.created, "owned_by": "kvloom"}]}
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        try:
+            body: CompletionRequest = await self._parse(request, CompletionRequest)
+            prompt = body.single_prompt()
+            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            job = self._job(body, token_ids, body.max_tokens or 16, body.logprobs)
+            first, stream = await self._start(job)
+        except APIError as exc:
+            return exc.response()
+        head = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
+                "model": body.model}
+
+        def choice(chunk: dict) -> dict:
+            return {"index": 0, "text": chunk["text"], "logprobs": None, "finish_reason": chunk["finish_reason"]}
+
+        if body.stream:
+            return self._sse_response(head, first, stream, choice, body.include_usage)
+        return await self._collect(head, first, stream, lambda text, reason: {
+            "index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        try:
+            body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
+            token_ids = list(self.tokenizer.apply_chat_template(
+                body.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False))
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            job = self._job(body, token_ids, body.max_completion_tokens or body.max_tokens, logprobs)
+            first, stream = await self._start(job)
+        except APIError as exc:
+            return exc.response()
+        except UnsupportedFieldError as exc:
+            return APIError(400, str(exc), exc.field, "unsupported_field").response()
+        head = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": body.model}
+        sent_role = False
+
+        def choice(chunk: dict) -> dict:
+            nonlocal sent_role
+            delta = {"content": chunk["text"]} if chunk["text"] or not chunk["finish_reason"] else {}
+            if not sent_role:
+                delta["role"], sent_role = "assistant", True
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk["finish_reason"]}
+
+        if body.stream:
+            return self._sse_response(head, first, stream, choice, body.include_usage)
+        head["object"] = "chat.completion"
+        return await self._collect(head, first, stream, lambda text, reason: {
+            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": reason})
+
+    # ---- response shapes --------------------------------------------------------------------
+    @staticmethod
+    def _usage(chunk: dict) -> dict:
+        return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
+                "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
+                "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
+
+    async def _collect(self, head: dict, first: dict, stream: AsyncIterator[dict], make_choice) -> JSONResponse:
+        chunks = [first]
+        try:
+            async for chunk in stream:
+                chunks.append(chunk)
+        except APIError as exc:
+            return exc.response()
+        last = chunks[-1]
+        text = "".join(c["text"] for c in chunks)
+        return JSONResponse({**head, "choices": [make_choice(text, last["finish_reason"])],
+                             "usage": self._usage(last)})
+
+    def _sse_response(self, head: dict, first: dict, stream: AsyncIterator[dict], make_choice,
+                      include_usage: bool) -> StreamingResponse:
+        async def events() -> AsyncIterator[str]:
+            last = first
+            try:
+                yield _sse({**head, "choices": [make_choice(first)]})
+                async for chunk in stream:
+                    last = chunk
+                    yield _sse({**head, "choices": [make_choice(chunk)]})
+            except APIError as exc:
+                yield _sse(exc.body())
+            else:
+                if include_usage:
+                    yield _sse({**head, "choices": [], "usage": self._usage(last)})
+            finally:
+                await stream.aclose()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,61 @@
+"""AsyncLLMEngine streams tokens per request, and a cancelled stream frees everything it held."""
+
+import asyncio
+
+import pytest
+
+from kvloom.engine.async_engine import AsyncLLMEngine
+from kvloom.engine.config import EngineConfig
+from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_model_dir):
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params, request_id=None):
+    outputs = [o async for o in engine.generate(prompt, params, request_id=request_id)]
+    return outputs
+
+
+async def test_concurrent_streams_match_offline_engine(async_engine, tiny_model_dir):
+    prompts = [[5, 6, 7], list(range(10, 60)), [300] * 20]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    streams = await asyncio.gather(*(collect(async_engine, p, params) for p in prompts))
+    offline = LLMEngine(model=str(tiny_model_dir), block_size=4)
+    for prompt, outputs in zip(prompts, streams):
+        assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
+        streamed = [t for o in outputs for t in o.outputs[0].delta_token_ids]
+        assert streamed == outputs[-1].outputs[0].token_ids
+        offline.add_request("x", prompt, params)
+        while offline.has_unfinished():
+            done = [o for o in offline.step() if o.finished]
+        assert done[0].outputs[0].token_ids == streamed
+
+
+async def test_cancelled_stream_aborts_and_frees_blocks(async_engine):
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    stream = async_engine.generate(list(range(3, 40)), params, request_id="cancel-me")
+    await stream.__anext__()
+    await stream.__anext__()
+    await stream.aclose()
+    for _ in range(100):
+        stats = async_engine.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+async def test_bad_request_fails_alone_and_engine_keeps_serving(async_engine):
+    with pytest.raises(InvalidRequestError, match="prompt"):
+        await collect(async_engine, [], SamplingParams())
+    outputs = await collect(async_engine, [7, 8, 9], SamplingParams(max_tokens=3, temperature=0))
+    assert outputs[-1].finished
+    async_engine.check_health()

@@ -1,0 +1,148 @@
+"""The CPU fast path (`kernels/cpu_attention.py`) computes exactly what the oracle does.
+
+`kernels/reference.py` is the definition of paged attention; the fast path may batch, pad and
+fuse however it likes but must agree with it within 1e-5 in float32 on every batch shape the
+scheduler produces: pure decode, fresh prefill, a prefill chunk over a cached prefix, and any mix
+of them. Every cache slot that no request owns holds NaN and the blocks are handed out in a
+shuffled order, so reading one slot past a request's context (or a padded block-table entry)
+turns the output into NaN instead of passing unnoticed. The oracle itself is checked against
+plain dense causal attention, so a bug shared by both cannot hide.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kvloom.kernels import cpu_attention, reference
+from kvloom.kernels.metadata import AttentionMetadata
+
+ATOL = RTOL = 1e-5
+
+# (num_heads, num_kv_heads, head_dim): the tiny test model's GQA shape and a 9/3 GQA with head_dim 64
+HEAD_SHAPES = [(4, 2, 16), (9, 3, 64)]
+
+
+class Case:
+    """A batch: request i has `cached[i]` tokens in the cache already and `new[i]` tokens this step."""
+
+    def __init__(self, cached, new, heads, block_size, seed=0):
+        num_heads, kv_heads, head_dim = heads
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        self.seq_lens = [c + n for c, n in zip(cached, new)]
+        self.query_lens = list(new)
+        needed = [-(-s // block_size) for s in self.seq_lens]
+        num_blocks = sum(needed) + 5  # spare blocks stay NaN-filled
+        # block 0 is what padded block-table entries point at: keep it unowned (NaN) so reading padding fails
+        ids = list(range(1, num_blocks))
+        rng.shuffle(ids)
+        self.tables = []
+        for n in needed:
+            self.tables.append(ids[:n])
+            ids = ids[n:]
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.key_cache = torch.full(shape, float("nan"))
+        self.value_cache = torch.full(shape, float("nan"))
+        # the full K/V history of every request, in plain (unpaged) form for the dense check
+        self.keys = [torch.randn(s, kv_heads, head_dim, generator=gen) for s in self.seq_lens]
+        self.values = [torch.randn(s, kv_heads, head_dim, generator=gen) for s in self.seq_lens]
+        for table, k, v, c in zip(self.tables, self.keys, self.values, cached):
+            for pos in range(c):  # the cached prefix, written by earlier steps
+                block, offset = table[pos // block_size], pos % block_size
+                self.key_cache[block, offset] = k[pos]
+                self.value_cache[block, offset] = v[pos]
+        self.new_keys = torch.cat([k[c:] for k, c in zip(self.keys, cached)])
+        self.new_values = torch.cat([v[c:] for v, c in zip(self.values, cached)])
+        self.query = torch.randn(sum(new), num_heads, head_dim, generator=gen)
+        self.meta = AttentionMetadata.build(self.query_lens, self.seq_lens, self.tables, block_size)
+        self.scale = head_dim**-0.5
+
+    def run(self, impl) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Write this step's K/V with `impl`, then attend; returns (output, key_cache, value_cache)."""
+        key_cache, value_cache = self.key_cache.clone(), self.value_cache.clone()
+        impl.write_kv(key_cache, value_cache, self.new_keys, self.new_values, self.meta.slot_mapping)
+        out = impl.paged_attention(self.query, key_cache, value_cache, self.meta, self.scale)
+        return out, key_cache, value_cache
+
+    def dense(self) -> torch.Tensor:
+        """Causal attention over the unpaged K/V, query row j of request i at position seq_len - q_len + j."""
+        rows = []
+        start = 0
+        group = self.query.shape[1] // self.keys[0].shape[1]
+        for k, v, q_len, s_len in zip(self.keys, self.values, self.query_lens, self.seq_lens):
+            q = self.query[start : start + q_len]
+            start += q_len
+            scores = torch.einsum("qhd,shd->hqs", q, k.repeat_interleave(group, 1)) * self.scale
+            q_pos = torch.arange(s_len - q_len, s_len)[:, None]
+            scores = scores.masked_fill(torch.arange(s_len)[None, :] > q_pos, float("-inf"))
+            rows.append(torch.einsum("hqs,shd->qhd", scores.softmax(-1), v.repeat_interleave(group, 1)))
+        return torch.cat(rows)
+
+
+def assert_fast_path_matches_reference(case: Case) -> None:
+    want, ref_keys, ref_values = case.run(reference)
+    got, cpu_keys, cpu_values = case.run(cpu_attention)
+    torch.testing.assert_close(ref_keys, cpu_keys, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(ref_values, cpu_values, atol=0, rtol=0, equal_nan=True)
+    assert torch.isfinite(want).all(), "the oracle read a slot no request owns"
+    torch.testing.assert_close(want, case.dense(), atol=ATOL, rtol=RTOL)
+    assert torch.isfinite(got).all(), "the CPU fast path read a slot no request owns"
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_pure_decode_batch_with_ragged_context_lengths(heads, block_size):
+    # contexts from a single token up to several blocks, ends of blocks and one past them
+    context = [1, 2, 5, block_size, block_size + 1, 33, 64, 100]
+    case = Case([c - 1 for c in context], [1] * len(context), heads, block_size, seed=1)
+    assert_fast_path_matches_reference(case)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_without_prefix(heads, block_size):
+    lengths = [2, 3, 7, block_size, block_size + 1, 40]
+    case = Case([0] * len(lengths), lengths, heads, block_size, seed=2)
+    assert_fast_path_matches_reference(case)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_chunk_over_cached_prefix(heads, block_size):
+    # chunks that start mid-block, on a block boundary, and span several blocks
+    cached = [5, 2 * block_size, 17, 3, 48]
+    new = [11, block_size, 2, 30, 7]
+    case = Case(cached, new, heads, block_size, seed=3)
+    assert_fast_path_matches_reference(case)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_mixed_batch_of_decodes_prefills_and_chunks(heads, block_size):
+    # decode rows interleaved with fresh prefills and chunks, in the order a scheduler may pack them
+    cached = [40, 0, 9, 0, 70, 16, 3]
+    new = [1, 12, 1, 1, 6, 1, 20]
+    case = Case(cached, new, heads, block_size, seed=4)
+    assert_fast_path_matches_reference(case)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_batches(seed):
+    rng = random.Random(seed)
+    heads = HEAD_SHAPES[seed % 2]
+    block_size = rng.choice([1, 2, 4, 8, 16, 32])
+    num_seqs = rng.randint(1, 8)
+    cached = [rng.choice([0, rng.randint(1, 90)]) for _ in range(num_seqs)]
+    new = [rng.choice([1, rng.randint(1, 40)]) for _ in range(num_seqs)]
+    assert_fast_path_matches_reference(Case(cached, new, heads, block_size, seed=seed))
+
+
+def test_nan_in_unowned_slots_is_detected():
+    """Guard for this file's method: reading an unowned slot really does surface as a failure."""
+    case = Case([4], [1], HEAD_SHAPES[0], 4, seed=5)  # 5 tokens: the second block has 3 unowned slots
+    case.meta.seq_lens_host[0] += 1  # claim one slot more than the request owns
+    with pytest.raises(AssertionError):
+        out, _, _ = case.run(reference)
+        assert torch.isfinite(out).all()
