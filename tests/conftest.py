@@ -92,3 +92,48 @@ def greedy_reference():
 @pytest.fixture(scope="session")
 def drive():
     return run_to_completion
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_serve():
+    """A local Ray cluster with Serve listening on a free loopback port; yields the base URL."""
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def deploy(config, app_name: str = "kvloom", timeout_s: float = 120):
+    """Deploy a ClusterConfig and wait until the router sees every replica."""
+    import time
+
+    from ray import serve
+
+    from kvloom.cluster.app import ROUTER_NAME, build_app
+
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+    router = serve.get_deployment_handle(ROUTER_NAME, app_name)
+    wanted = config.num_replicas or 1
+    deadline = time.monotonic() + timeout_s
+    while len(router.replica_stats.remote().result()) != wanted:
+        assert time.monotonic() < deadline, "replicas did not report in time"
+        time.sleep(0.25)
+    return router
+
+
+@pytest.fixture(scope="session")
+def deploy_app():
+    return deploy

@@ -8,7 +8,9 @@ holds no KV blocks. Aborts, at any stage of a request's life, free everything it
 """
 
 import pytest
+import torch
 from pydantic import ValidationError
+from transformers import AutoConfig
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError, InvalidRequestError
@@ -24,10 +26,6 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 
 def block_bytes(tiny_model_dir) -> int:
-    from transformers import AutoConfig
-
-    import torch
-
     return kv_bytes_per_token(AutoConfig.from_pretrained(tiny_model_dir), torch.float32) * BLOCK_SIZE
 
 
@@ -36,7 +34,7 @@ def make_engine(tiny_model_dir):
     def make(**overrides) -> LLMEngine:
         settings = dict(
             model=str(tiny_model_dir), device="cpu", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-            kv_cache_memory_bytes=NUM_BLOCKS * block_bytes(tiny_model_dir), max_num_batched_tokens=32,
+            kv_cache_memory_bytes=NUM_BLOCKS * block_bytes(tiny_model_dir), max_num_batched_tokens=32, max_num_seqs=8,
         )
         return LLMEngine(**{**settings, **overrides})
 
@@ -277,7 +275,7 @@ def test_abort_mid_prefill_frees_its_blocks(make_engine, serves):
 
 
 def test_abort_while_decoding_frees_its_blocks(engine, serves):
-    engine.add_request("decoding", PROMPT, SamplingParams(max_tokens=50, temperature=0))
+    engine.add_request("decoding", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     engine.add_request("neighbour", [8, 9, 10], GREEDY)
     for _ in range(4):
         engine.step()
@@ -297,8 +295,11 @@ def test_abort_of_a_preempted_request(tiny_model_dir, make_engine, serves):
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.add_request("first", list(range(200, 230)), params)
     engine.add_request("second", list(range(300, 330)), params)
-    while engine.stats().num_preemptions == 0:
+    for _ in range(100):
         engine.step()
+        if engine.stats().num_preemptions:
+            break
+    assert engine.stats().num_preemptions == 1
     (victim,) = [r for r in engine.requests.values() if r.num_preemptions]
     assert_aborted(engine.abort(victim.request_id), victim.request_id)
     while engine.has_unfinished():

@@ -1,0 +1,328 @@
+"""What each SamplingParams knob does to the tokens and text a request gets back.
+
+Sampling is per request: a seeded request draws from its own generator, so it gets the same
+tokens alone or batched with any neighbours in any order. top_k=1, a tiny top_p and temperature 0
+all reduce to greedy. logprobs are the model's log-softmax (raw logits, before temperature), the
+chosen token first. Stops end a request with finish_reason "stop" and say why in stop_reason. On
+the real SmolLM2 model, stop strings are cut from the text and the streamed deltas never show a
+character that the final text does not keep.
+
+Most cases use the tiny random Llama (fast); text-level behaviour uses SmolLM2.
+"""
+
+import json
+import shutil
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.runner import kv_bytes_per_token
+from kvloom.engine.sampling import SamplingParams
+
+PROMPTS = {
+    "a": [5, 17, 42, 99, 7, 300, 12],
+    "b": [400, 401, 402],
+    "c": list(range(30, 70)),
+    "d": [250, 3, 77, 77, 9],
+}
+NEW = 16
+GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+
+
+def tiny_engine(model_dir, **overrides) -> LLMEngine:
+    block_bytes = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32) * 4
+    settings = dict(model=str(model_dir), device="cpu", block_size=4, max_model_len=256,
+                    kv_cache_memory_bytes=256 * block_bytes, max_num_seqs=8)
+    return LLMEngine(**{**settings, **overrides})
+
+
+def run(engine: LLMEngine, jobs: dict, arrivals: dict[int, list[str]] | None = None):
+    """Run requests `{id: (prompt, params)}` to completion, adding them at the steps in `arrivals`.
+
+    Returns ({id: final RequestOutput}, {id: [every RequestOutput streamed for it]}).
+    """
+    pending = dict(arrivals or {0: list(jobs)})
+    finished, streams = {}, {rid: [] for rid in jobs}
+    step = 0
+    while pending or engine.has_unfinished():
+        for rid in pending.pop(step, []):
+            engine.add_request(rid, *jobs[rid])
+        for output in engine.step():
+            streams[output.request_id].append(output)
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        assert step < 10_000
+    return finished, streams
+
+
+def tokens_of(model_dir, prompt, params, **engine_overrides) -> list[int]:
+    finished, _ = run(tiny_engine(model_dir, **engine_overrides), {"x": (prompt, params)})
+    return finished["x"].outputs[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def greedy_tokens(tiny_model_dir) -> dict[str, list[int]]:
+    finished, _ = run(tiny_engine(tiny_model_dir), {rid: (p, GREEDY) for rid, p in PROMPTS.items()})
+    return {rid: out.outputs[0].token_ids for rid, out in finished.items()}
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+# ---- seeds -----------------------------------------------------------------------------------
+def sampled(seed: int | None, **knobs) -> SamplingParams:
+    return SamplingParams(max_tokens=NEW, temperature=1.0, seed=seed, ignore_eos=True, **knobs)
+
+
+def test_greedy_matches_transformers_generate(tiny_model_dir, greedy_tokens, greedy_reference):
+    want = greedy_reference(tiny_model_dir, [PROMPTS["a"], PROMPTS["c"]], NEW)
+    assert [greedy_tokens["a"], greedy_tokens["c"]] == want
+
+
+def test_seeded_request_is_reproducible_whatever_its_batch(tiny_model_dir, greedy_tokens):
+    alone = tokens_of(tiny_model_dir, PROMPTS["a"], sampled(1234))
+    assert alone != greedy_tokens["a"], "temperature 1 actually samples"
+
+    # same engine seed or not, batched with sampling neighbours, in different orders and timings
+    neighbours = {"b": (PROMPTS["b"], sampled(None)), "c": (PROMPTS["c"], sampled(7)),
+                  "d": (PROMPTS["d"], sampled(1234))}
+    layouts = [
+        ({}, {0: ["b", "a", "c", "d"]}),
+        ({"seed": 99}, {0: ["d", "c"], 2: ["a"], 5: ["b"]}),
+        ({"max_num_batched_tokens": 8}, {0: ["c", "b"], 1: ["d", "a"]}),  # chunked prefill
+    ]
+    for overrides, arrivals in layouts:
+        engine = tiny_engine(tiny_model_dir, **overrides)
+        finished, _ = run(engine, {"a": (PROMPTS["a"], sampled(1234)), **neighbours}, arrivals)
+        assert finished["a"].outputs[0].token_ids == alone, (overrides, arrivals)
+
+
+def test_different_seeds_give_different_tokens(tiny_model_dir):
+    runs = [tokens_of(tiny_model_dir, PROMPTS["a"], sampled(seed)) for seed in (1, 2, 3)]
+    assert runs[0] != runs[1] and runs[1] != runs[2] and runs[0] != runs[2]
+
+
+def test_unseeded_requests_are_not_all_alike(tiny_model_dir):
+    finished, _ = run(tiny_engine(tiny_model_dir), {f"r{i}": (PROMPTS["a"], sampled(None)) for i in range(3)})
+    outs = [o.outputs[0].token_ids for o in finished.values()]
+    assert len({tuple(o) for o in outs}) == 3
+
+
+# ---- knobs that reduce to greedy -------------------------------------------------------------
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param(sampled(5, top_k=1), id="top_k=1"),
+        pytest.param(SamplingParams(max_tokens=NEW, temperature=1.5, top_k=1, seed=6, ignore_eos=True), id="top_k=1-hot"),
+        pytest.param(sampled(5, top_p=1e-6), id="top_p-tiny"),
+        pytest.param(SamplingParams(max_tokens=NEW, temperature=0, seed=5, ignore_eos=True), id="temperature=0-seed5"),
+        pytest.param(SamplingParams(max_tokens=NEW, temperature=0, seed=6, top_k=50, top_p=0.5, ignore_eos=True),
+                     id="temperature=0-ignores-top_k-top_p"),
+    ],
+)
+def test_knobs_that_leave_one_candidate_are_greedy(tiny_model_dir, greedy_tokens, params):
+    finished, _ = run(tiny_engine(tiny_model_dir),
+                      {rid: (PROMPTS[rid], params) for rid in ("a", "c")} | {"b": (PROMPTS["b"], sampled(1))})
+    assert finished["a"].outputs[0].token_ids == greedy_tokens["a"]
+    assert finished["c"].outputs[0].token_ids == greedy_tokens["c"]
+
+
+def test_top_k_limits_choices_to_the_k_best(tiny_model_dir, hf_tiny):
+    params = SamplingParams(max_tokens=1, temperature=2.0, top_k=3)
+    with torch.inference_mode():
+        logits = hf_tiny(torch.tensor([PROMPTS["b"]])).logits[0, -1]
+    allowed = set(torch.topk(logits, 3).indices.tolist())
+    seen = set()
+    for seed in range(40):
+        seen.update(tokens_of(tiny_model_dir, PROMPTS["b"], params.model_copy(update={"seed": seed})))
+    assert seen <= allowed
+    assert len(seen) > 1, "top_k=3 at temperature 2 is not greedy"
+
+
+# ---- logprobs --------------------------------------------------------------------------------
+def hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """log_softmax of transformers' logits at every position that predicted an output token."""
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + output])).logits[0]
+    return logits[len(prompt) - 1 : len(prompt) + len(output) - 1].float().log_softmax(-1)
+
+
+@pytest.mark.parametrize("k", [0, 1, 5, 20])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_are_the_chosen_token_and_the_top_k(tiny_model_dir, hf_tiny, k, temperature):
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=3, logprobs=k, ignore_eos=True)
+    finished, streams = run(tiny_engine(tiny_model_dir), {"a": (PROMPTS["a"], params), "b": (PROMPTS["b"], GREEDY)})
+    out = finished["a"].outputs[0]
+    assert finished["b"].outputs[0].logprobs is None, "only requests that ask get logprobs"
+    assert len(out.logprobs) == len(out.token_ids) == 8
+    want = hf_logprobs(hf_tiny, PROMPTS["a"], out.token_ids)
+
+    # the first generated token, spelled out: its logprob is log_softmax of the model's logits
+    first = out.token_ids[0]
+    assert next(iter(out.logprobs[0])) == first
+    assert out.logprobs[0][first] == pytest.approx(float(want[0, first]), abs=1e-4)
+
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert list(entry)[0] == token, "the chosen token comes first"
+        top_k = set(torch.topk(want[step], k).indices.tolist()) if k else set()
+        assert set(entry) == {token} | top_k, f"step {step}: the chosen token plus the top {k}"
+        assert all(value <= 0 for value in entry.values())
+        for t, value in entry.items():
+            assert value == pytest.approx(float(want[step, t]), abs=1e-4)
+    if temperature == 0:
+        assert all(entry[t] == max(entry.values()) for t, entry in zip(out.token_ids, out.logprobs))
+    # the streamed outputs carry the logprobs so far
+    assert [len(o.outputs[0].logprobs) for o in streams["a"]] == list(range(1, 9))
+
+
+# ---- stops -----------------------------------------------------------------------------------
+def test_max_tokens_finishes_with_length(tiny_model_dir, greedy_tokens):
+    finished, _ = run(tiny_engine(tiny_model_dir), {"a": (PROMPTS["a"], GREEDY.model_copy(update={"max_tokens": 5}))})
+    out = finished["a"].outputs[0]
+    assert out.token_ids == greedy_tokens["a"][:5]
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+
+
+def first_fresh_token(tokens: list[int], at_least: int) -> tuple[int, int]:
+    """A token id from `tokens` whose first occurrence is at index >= at_least, and that index."""
+    for index in range(at_least, len(tokens)):
+        if tokens.index(tokens[index]) == index:
+            return tokens[index], index
+    raise AssertionError("greedy output repeats itself; pick another prompt")
+
+
+def test_stop_token_ids_end_the_request(tiny_model_dir, greedy_tokens):
+    stop_id, index = first_fresh_token(greedy_tokens["a"], 3)
+    params = GREEDY.model_copy(update={"stop_token_ids": [stop_id, 1]})
+    finished, streams = run(tiny_engine(tiny_model_dir), {"a": (PROMPTS["a"], params), "b": (PROMPTS["b"], GREEDY)})
+    out = finished["a"].outputs[0]
+    assert out.token_ids == greedy_tokens["a"][: index + 1], "stops at the first stop token, which is kept"
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    assert [o.finished for o in streams["a"]] == [False] * index + [True]
+    assert finished["b"].outputs[0].token_ids == greedy_tokens["b"], "the neighbour is unaffected"
+
+
+@pytest.fixture(scope="module")
+def eos_model(tiny_model_dir, tmp_path_factory, greedy_tokens):
+    """The tiny model with a generation config that also ends on a token greedy decoding emits."""
+    eos_id, index = first_fresh_token(greedy_tokens["a"], 4)
+    model_dir = tmp_path_factory.mktemp("tiny-eos") / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    generation = json.loads((model_dir / "generation_config.json").read_text())
+    generation["eos_token_id"] = [2, eos_id]
+    (model_dir / "generation_config.json").write_text(json.dumps(generation))
+    return model_dir, eos_id, index
+
+
+def test_eos_stops_unless_ignore_eos(eos_model, greedy_tokens):
+    model_dir, eos_id, index = eos_model
+    stops = tokens_of(model_dir, PROMPTS["a"], GREEDY.model_copy(update={"ignore_eos": False}))
+    assert stops == greedy_tokens["a"][: index + 1]
+
+    finished, _ = run(tiny_engine(model_dir), {"a": (PROMPTS["a"], GREEDY.model_copy(update={"ignore_eos": False}))})
+    assert (finished["a"].outputs[0].finish_reason, finished["a"].outputs[0].stop_reason) == ("stop", None)
+
+    finished, _ = run(tiny_engine(model_dir), {"a": (PROMPTS["a"], GREEDY)})  # ignore_eos=True
+    out = finished["a"].outputs[0]
+    assert out.token_ids == greedy_tokens["a"], "continues past EOS to max_tokens"
+    assert eos_id in out.token_ids
+    assert out.finish_reason == "length"
+
+
+# ---- text: stop strings and streaming, on SmolLM2 --------------------------------------------
+SMOL_PROMPTS = ["Once upon a time, in a small village by the sea,", "The three most important things in life are"]
+SMOL_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir) -> LLMEngine:
+    return LLMEngine(model=str(smollm2_dir), device="cpu", max_model_len=256, kv_cache_memory_bytes=48 << 20)
+
+
+@pytest.fixture(scope="module")
+def smol_plain(smol):
+    """Greedy outputs without stop strings (their streams too)."""
+    params = SamplingParams(max_tokens=SMOL_NEW, temperature=0)
+    return run(smol, {f"p{i}": (p, params) for i, p in enumerate(SMOL_PROMPTS)})
+
+
+def decode(engine: LLMEngine, tokens: list[int]) -> str:
+    return engine.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def assert_stream_is_consistent(stream, final_text: str) -> None:
+    """Deltas add up to the final text, and no delta ever shows text the final text does not keep."""
+    shown = ""
+    for output in stream:
+        completion = output.outputs[0]
+        shown += completion.delta_text
+        assert final_text.startswith(shown), f"streamed {shown!r}, final text is {final_text!r}"
+        assert completion.text == shown
+    assert shown == final_text
+
+
+def test_text_is_the_decoded_tokens_and_streams_add_up(smol, smol_plain):
+    finished, streams = smol_plain
+    for rid, out in finished.items():
+        completion = out.outputs[0]
+        assert completion.finish_reason == "length" and len(completion.token_ids) == SMOL_NEW
+        assert completion.text == decode(smol, completion.token_ids)
+        assert len(streams[rid]) == SMOL_NEW
+        assert_stream_is_consistent(streams[rid], completion.text)
+
+
+def stop_across_tokens(engine: LLMEngine, tokens: list[int]) -> tuple[str, int, int]:
+    """A stop string made of the end of one token and the start of the next (first occurrence).
+
+    Returns (stop, char offset where it starts, index of the token that completes it). Its first
+    characters arrive one step before the rest, so only hold-back keeps them off the stream.
+    """
+    text = decode(engine, tokens)
+    ends = [len(decode(engine, tokens[: i + 1])) for i in range(len(tokens))]
+    for i in range(3, len(tokens) - 1):
+        start, mid, end = ends[i - 1], ends[i], ends[i + 1]
+        if mid - start >= 3 and end - mid >= 3 and text[start:end].strip() == text[start:end]:
+            stop = text[mid - 2 : mid + 2]
+            if text.find(stop) == mid - 2 and stop.strip() == stop:
+                return stop, mid - 2, i + 1
+    raise AssertionError("no suitable stop string in the greedy output")
+
+
+def test_stop_string_ends_generation_and_is_cut_from_the_text(smol, smol_plain):
+    finished, _ = smol_plain
+    plain_tokens = finished["p0"].outputs[0].token_ids
+    plain_text = finished["p0"].outputs[0].text
+    stop, at, completing = stop_across_tokens(smol, plain_tokens)
+
+    params = SamplingParams(max_tokens=SMOL_NEW, temperature=0, stop=["never appears", stop])
+    outs, streams = run(smol, {"s": (SMOL_PROMPTS[0], params),
+                               "n": (SMOL_PROMPTS[1], SamplingParams(max_tokens=SMOL_NEW, temperature=0))})
+    out = outs["s"].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == plain_tokens[: completing + 1], "stops on the token that completes the stop string"
+    assert stop not in out.text
+    assert out.text == plain_text[:at]
+    decoded = decode(smol, out.token_ids)
+    assert out.text == decoded[: decoded.index(stop)]
+
+    # streaming: the first half of the stop string arrived a step before the rest and was held back
+    assert_stream_is_consistent(streams["s"], out.text)
+    # the neighbour without stop strings streams everything
+    assert outs["n"].outputs[0].text == finished["p1"].outputs[0].text
+    assert_stream_is_consistent(streams["n"], outs["n"].outputs[0].text)
+
+
+def test_stop_string_hold_back_releases_text_that_turns_out_not_to_stop(smol, smol_plain):
+    # a stop string that never matches only delays text: the full text still streams out
+    finished, _ = smol_plain
+    params = SamplingParams(max_tokens=SMOL_NEW, temperature=0, stop=["zzzzzz-no-such-text"])
+    outs, streams = run(smol, {"s": (SMOL_PROMPTS[0], params)})
+    out = outs["s"].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("length", None)
+    assert out.text == finished["p0"].outputs[0].text
+    assert_stream_is_consistent(streams["s"], out.text)
