@@ -21,6 +21,6 @@ cmd="${1:-serve}"
 [[ $# -gt 0 ]] && shift
 case "$cmd" in
   test) exec "$venv/bin/python" -m pytest "$@" ;;
-  serve) exec "$venv/bin/kvloom" generate "$@" ;;
+  serve) exec "$venv/bin/kvloom" serve "$@" ;;
   *) exec "$venv/bin/kvloom" "$cmd" "$@" ;;
 esac

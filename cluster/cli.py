@@ -1,8 +1,10 @@
 """The `kvloom` command line."""
 
 import argparse
+import signal
 import sys
 import time
+from pathlib import Path
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -27,6 +29,69 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
+
+
+def _connect(address: str | None, log_to_driver: bool = True) -> None:
+    import ray
+
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=log_to_driver)
+
+
+def _raise_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from kvloom.cluster.app import ROUTER_NAME, build_app
+    from kvloom.cluster.config import load_cluster_config
+
+    config = load_cluster_config(args.config)
+    if args.port is not None:
+        config = config.model_copy(update={"http": config.http.model_copy(update={"port": args.port})})
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop as cleanly on SIGTERM as on Ctrl-C
+    _connect(args.address)
+    serve.start(http_options={"host": config.http.host, "port": config.http.port})
+    print(f"deploying {config.model_name} from {args.config} ...", flush=True)
+    serve.run(build_app(config), name=config.name, route_prefix="/")
+    router = serve.get_deployment_handle(ROUTER_NAME, config.name)
+    wanted = config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
+    while len(router.replica_stats.remote().result()) < wanted:
+        time.sleep(0.5)
+    url = f"http://{config.http.host}:{config.http.port}"
+    print(f"kvloom is serving {config.model_name} with {wanted} replica(s) at {url}/v1  (Ctrl-C stops)")
+    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("shutting down ...", flush=True)
+    finally:
+        serve.shutdown()
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ray import serve
+
+    from kvloom.cluster.app import ROUTER_NAME
+
+    _connect(args.address, log_to_driver=False)
+    replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
+    print(f"{len(replicas)} replica(s)")
+    header = f"{'replica':<10} {'device':<7} {'running':>7} {'waiting':>7} {'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7}"
+    print(header)
+    for r in replicas:
+        hit = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
+        print(f"{r['replica_id']:<10} {r['device']:<7} {r['num_running']:>7} {r['num_waiting']:>7} "
+              f"{r['inflight']:>8} {r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvloom", description="kvloom LLM serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -39,6 +104,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=None)
     gen.add_argument("--raw", action="store_true", help="send prompts as-is, without the chat template")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="deploy the OpenAI-compatible server on Ray Serve")
+    srv.add_argument("--config", default=str(DEFAULT_CONFIG), help="cluster YAML (default: configs/local-cpu.yaml)")
+    srv.add_argument("--address", default=None, help="Ray cluster to join (auto, ray://host:port); default: start a local one")
+    srv.add_argument("--port", type=int, default=None, help="override http.port")
+    srv.set_defaults(func=_serve)
+
+    st = sub.add_parser("status", help="show the replicas of a running deployment")
+    st.add_argument("--address", default="auto")
+    st.add_argument("--name", default="kvloom", help="application name (config `name`)")
+    st.set_defaults(func=_status)
     return parser
 
 
