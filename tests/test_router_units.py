@@ -1,0 +1,159 @@
+"""The router's own logic without Ray: replica choice, credit, admission order and retry rules.
+
+The transport is replaced by a scripted stand-in for Serve's handle; what is under test is the
+router's decisions, not Serve.
+"""
+
+import asyncio
+
+import pytest
+import ray.exceptions
+
+from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.router.admission import AdmissionQueue, Ticket
+from kvloom.router.dispatcher import Dispatcher, Job
+from kvloom.router.errors import APIError
+from kvloom.router.metrics import RouterMetrics
+from kvloom.router.replica_table import ReplicaTable
+
+
+def stats(replica_id: str, max_num_seqs: int = 2, cached=()) -> dict:
+    return {"replica_id": replica_id, "max_num_seqs": max_num_seqs, "cached_prefix_hashes": list(cached),
+            "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0, "num_preemptions": 0, "healthy": True}
+
+
+def test_prefix_affinity_picks_the_replica_holding_the_prompt():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0)
+    table.report(stats("a"))
+    table.report(stats("b", cached=prompt[:3]))
+    assert table.choose(prompt).replica_id == "b"
+
+
+def test_imbalance_overrides_affinity():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0, imbalance_threshold=1)
+    table.report(stats("a", max_num_seqs=10))
+    table.report(stats("b", max_num_seqs=10, cached=prompt))
+    busy = table.replicas["b"]
+    busy.inflight = 2
+    assert table.choose(prompt).replica_id == "a"
+
+
+def test_least_loaded_without_affinity_and_no_credit_means_none():
+    table = ReplicaTable(slack=0)
+    table.report(stats("a", max_num_seqs=1))
+    table.report(stats("b", max_num_seqs=1))
+    first = table.choose([])
+    table.take(first, [])
+    second = table.choose([])
+    assert second.replica_id != first.replica_id
+    table.take(second, [])
+    assert table.choose([]) is None
+
+
+def test_unhealthy_or_silent_replicas_are_dropped():
+    table = ReplicaTable(stale_after_s=0.0)
+    table.report(stats("a"))
+    table.report({**stats("b"), "healthy": False})
+    assert "b" not in table.replicas
+    assert table.live() == []  # a has gone silent for longer than stale_after_s
+
+
+async def test_admission_dispatches_in_arrival_order_as_credit_frees():
+    table = ReplicaTable(slack=0)
+    table.report(stats("a", max_num_seqs=1))
+    queue = AdmissionQueue(table, max_queued=10)
+    order = []
+
+    async def request(name):
+        replica = await queue.acquire(Ticket(name, []))
+        order.append(name)
+        await asyncio.sleep(0.01)
+        queue.release(replica)
+
+    await asyncio.gather(*(request(f"r{i}") for i in range(5)))
+    assert order == [f"r{i}" for i in range(5)]
+    assert table.replicas["a"].inflight == 0
+
+
+async def test_full_router_queue_is_503():
+    table = ReplicaTable(slack=0)  # no replicas: everything queues
+    queue = AdmissionQueue(table, max_queued=1)
+    waiting = asyncio.create_task(queue.acquire(Ticket("first", [])))
+    await asyncio.sleep(0)
+    with pytest.raises(APIError) as err:
+        await queue.acquire(Ticket("second", []))
+    assert err.value.status == 503
+    waiting.cancel()
+
+
+class ScriptedResponse:
+    def __init__(self, chunks, fail_after: int | None):
+        self.chunks, self.fail_after, self.cancelled = chunks, fail_after, False
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def __aiter__(self):
+        for i, chunk in enumerate(self.chunks):
+            if self.fail_after == i:
+                raise ray.exceptions.RayActorError()
+            yield chunk
+        if self.fail_after == len(self.chunks):
+            raise ray.exceptions.RayActorError()
+
+
+class ScriptedHandle:
+    """Stands in for Serve's DeploymentHandle: per replica, a scripted stream."""
+
+    def __init__(self, scripts):
+        self.scripts, self.calls = scripts, []
+        self.generate = self
+
+    def options(self, **_):
+        return self
+
+    def remote(self, payload, target_replica):
+        self.calls.append(target_replica)
+        return self.scripts[target_replica]()
+
+
+def chunk(tokens, finish=None):
+    return {"replica": "x", "text": "t", "token_ids": tokens, "finish_reason": finish,
+            "prompt_tokens": 3, "completion_tokens": len(tokens), "cached_tokens": 0}
+
+
+def make_dispatcher(scripts):
+    table = ReplicaTable(slack=0)
+    for name in scripts:
+        table.report(stats(name, max_num_seqs=1))
+    handle = ScriptedHandle(scripts)
+    return Dispatcher(handle, AdmissionQueue(table, 10), RouterMetrics(table)), handle, table
+
+
+async def test_request_that_streamed_nothing_is_retried_on_another_replica():
+    dispatcher, handle, table = make_dispatcher({
+        "a": lambda: ScriptedResponse([chunk([1])], fail_after=0),
+        "b": lambda: ScriptedResponse([chunk([1]), chunk([2], "length")], fail_after=None),
+    })
+    table.replicas["b"].dispatched = 1  # make "a" the first choice
+    got = [c async for c in dispatcher.run(Job("r", {}, []))]
+    assert handle.calls == ["a", "b"]
+    assert [c["token_ids"] for c in got] == [[1], [2]]
+    assert "a" not in table.replicas and table.replicas["b"].inflight == 0
+
+
+async def test_request_that_already_streamed_ends_with_a_clear_error():
+    dispatcher, handle, table = make_dispatcher({
+        "a": lambda: ScriptedResponse([chunk([1]), chunk([2])], fail_after=1),
+        "b": lambda: ScriptedResponse([chunk([9], "length")], fail_after=None),
+    })
+    table.replicas["b"].dispatched = 1
+    received = []
+    with pytest.raises(APIError) as err:
+        async for c in dispatcher.run(Job("r", {}, [])):
+            received.append(c)
+    assert err.value.status == 500 and "mid-stream" in err.value.message
+    assert handle.calls == ["a"] and len(received) == 1
