@@ -24,6 +24,9 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    batching: Literal["static", "dynamic", "continuous"] = "continuous"
+    max_wait_ms: float = Field(50.0, ge=0, description="dynamic batching: longest a bucket waits to fill")
+    bucket_width: int = Field(64, ge=1, description="dynamic batching: prompt-length bucket width")
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = "auto"
     seed: int = 0
 

@@ -40,6 +40,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    num_steps: int
+    mean_batch_size: float
+    idle_slot_steps: int
+    padding_tokens: int
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -73,7 +77,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            config.scheduling_policy,
+            config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000,
         )
         self.scheduler = Scheduler(limits, self.kv)
         self.requests: dict[str, Request] = {}
@@ -293,6 +297,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool
+        counters = self.scheduler.counters
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
@@ -303,4 +308,8 @@ class LLMEngine:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
+            num_steps=counters.num_steps,
+            mean_batch_size=counters.batch_slots / counters.num_steps if counters.num_steps else 0.0,
+            idle_slot_steps=counters.idle_slot_steps,
+            padding_tokens=self.scheduler.batching.padding_tokens,
         )

@@ -9,6 +9,7 @@ freed and it re-enters the waiting queue with its generated tokens kept.
 
 from dataclasses import dataclass, field
 
+from kvloom.engine.batching import make_batching
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
@@ -34,6 +35,16 @@ class SchedulerLimits:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     policy: str = "fcfs"
+    batching: str = "continuous"
+    bucket_width: int = 64
+    max_wait_s: float = 0.05
+
+
+@dataclass
+class SchedulerCounters:
+    num_steps: int = 0  # steps that ran something
+    batch_slots: int = 0  # sum over steps of requests in the step (mean batch = this / steps)
+    idle_slot_steps: int = 0  # batch-level strategies: slots of finished members still waiting
 
 
 class Scheduler:
@@ -43,6 +54,8 @@ class Scheduler:
         self.waiting: RequestQueue = make_queue(limits.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.batching = make_batching(limits.batching, limits.max_num_seqs, limits.bucket_width, limits.max_wait_s)
+        self.counters = SchedulerCounters()
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -56,6 +69,7 @@ class Scheduler:
         elif not request.status.finished:
             self.waiting.remove(request)
         self.kv.free(request)
+        self.batching.on_finish(request)
         request.status = status
 
     @property
@@ -129,17 +143,23 @@ class Scheduler:
             budget = self._admit_waiting(budget, planned)
 
         out.scheduled = [(r, planned[r.request_id]) for r in self.running if r.request_id in planned]
+        if out.scheduled:
+            self.counters.num_steps += 1
+            self.counters.batch_slots += len(out.scheduled)
+            self.counters.idle_slot_steps += self.batching.idle_slots()
         return out
 
     def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
-        while len(self.waiting) and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            request = self.waiting.peek()
+        """Admit in queue order among what the batching strategy allows; stop at the first misfit."""
+        for request in self.batching.admissible(self.waiting):
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = self._chunk(request.num_tokens - num_cached, budget)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
                 break
-            self.waiting.pop()
+            self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached

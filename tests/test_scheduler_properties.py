@@ -481,6 +481,14 @@ def step(sched: Scheduler):
     return out
 
 
+def run_until_done(sched: Scheduler, limit: int = 1000) -> None:
+    for _ in range(limit):
+        if not sched.has_unfinished:
+            return
+        step(sched)
+    raise AssertionError("scheduler made no progress")
+
+
 def new_scheduler(policy="priority", max_num_seqs=4, num_blocks=64, block_size=4, budget=64):
     kv = KVCacheManager(num_blocks, block_size)
     return Scheduler(SchedulerLimits(max_num_seqs, budget, True, policy), kv)
@@ -488,10 +496,11 @@ def new_scheduler(policy="priority", max_num_seqs=4, num_blocks=64, block_size=4
 
 class TestVictimWhenThePoolRunsDry:
     def two_decoding(self, policy, priorities):
-        # block_size 1, 12 blocks: two 5-token prompts fill 10, the first decodes fill the rest
-        sched = new_scheduler(policy=policy, max_num_seqs=2, num_blocks=12, block_size=1)
-        a = make(sched, "a", 5, 10, priority=priorities[0], arrival=0.0)
-        b = make(sched, "b", 5, 10, priority=priorities[1], arrival=1.0)
+        # block_size 1, 16 blocks (one request's worth): two 7-token prompts fill 14 blocks,
+        # the first decode of each fills the rest
+        sched = new_scheduler(policy=policy, max_num_seqs=2, num_blocks=16, block_size=1)
+        a = make(sched, "a", 7, 9, priority=priorities[0], arrival=0.0)
+        b = make(sched, "b", 7, 9, priority=priorities[1], arrival=1.0)
         step(sched)
         out = step(sched)
         assert out.preempted == [] and sched.kv.pool.num_free == 0
@@ -510,9 +519,8 @@ class TestVictimWhenThePoolRunsDry:
 
     def test_the_preempted_request_resumes_with_its_output_kept(self):
         sched, a, b = self.two_decoding("fcfs", (0, 0))
-        while sched.has_unfinished:
-            step(sched)
-        assert a.num_output_tokens == b.num_output_tokens == 10
+        run_until_done(sched)
+        assert a.num_output_tokens == b.num_output_tokens == 9
         assert b.num_preemptions >= 1 and a.num_preemptions == 0
 
 
@@ -530,11 +538,10 @@ class TestPriorityPreemption:
         assert low.num_computed_tokens == 0 and low.num_output_tokens == 2  # output kept
         out = step(sched)
         assert [r for r, _ in out.scheduled] == [high]
-        while high.status == RequestStatus.RUNNING:
+        for _ in range(3):
             step(sched)
         assert high.status == RequestStatus.FINISHED_LENGTH
-        while sched.has_unfinished:
-            step(sched)
+        run_until_done(sched)
         assert low.num_output_tokens == 20 and sched.num_preemptions == 1
         assert sched.kv.pool.num_free == sched.kv.pool.num_blocks
 
@@ -600,7 +607,6 @@ def test_abort_in_any_state_frees_everything(status):
     sched.finish_request(low, RequestStatus.FINISHED_ABORTED)
     assert low.status == RequestStatus.FINISHED_ABORTED and low.block_ids == []
     assert low not in sched.running and low not in list(sched.waiting)
-    while sched.has_unfinished:
-        step(sched)
+    run_until_done(sched)
     pool = sched.kv.pool
     assert pool.num_free == pool.num_blocks and sched.kv.num_requests_holding == 0
