@@ -5,6 +5,8 @@ back (a prefix-cache hit) until the block is handed out again; the free list is 
 the least recently used cached blocks are evicted first.
 """
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -17,16 +19,17 @@ class KVBlock:
     token_ids: tuple[int, ...] = ()  # the full block's tokens, compared on a hash hit
 
 
-ROOT_HASH = 0x6B766C6F6F6D  # parent of a first block; hash(None) would differ between processes
-
-
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Chained hash: a block's identity depends on every token before it.
+    """Chained 128-bit BLAKE2 hash: a block's identity depends on every token before it.
 
-    Tuples of ints hash the same in every process, so the router can compute a prompt's block
-    hashes and match them against what replicas report as cached.
+    Cryptographic and process-independent: prefixes from different tenants cannot be crafted to
+    collide (Python's `hash` could be), and the router can compute a prompt's block hashes and
+    match them against what replicas report as cached.
     """
-    return hash((ROOT_HASH if parent_hash is None else parent_hash, token_ids))
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update((parent_hash or 0).to_bytes(16, "little"))
+    digest.update(array("q", token_ids).tobytes())
+    return int.from_bytes(digest.digest(), "little")
 
 
 def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:

@@ -12,7 +12,7 @@ from kvloom.engine.request import Request
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # tokens looked up at admission (a re-admitted request counts its outputs too)
     hits: int = 0  # of those, tokens found cached
 
 

@@ -117,7 +117,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.limits.policy == "priority":
-            self._make_room_for_priority(out)
+            self._make_room_for_priority(out)  # evicts to admit: admission below still runs
+        evicted_for_priority = len(out.preempted)
         budget = self.limits.max_num_batched_tokens
         planned: dict[str, int] = {}
 
@@ -139,8 +140,8 @@ class Scheduler:
                 planned[request.request_id] = num_new
                 budget -= num_new
 
-        if not out.preempted:
-            budget = self._admit_waiting(budget, planned)
+        if len(out.preempted) == evicted_for_priority:  # no pool pressure among running requests
+            budget = self._admit_waiting(budget, planned, out.preempted)
 
         out.scheduled = [(r, planned[r.request_id]) for r in self.running if r.request_id in planned]
         if out.scheduled:
@@ -149,10 +150,13 @@ class Scheduler:
             self.counters.idle_slot_steps += self.batching.idle_slots()
         return out
 
-    def _admit_waiting(self, budget: int, planned: dict[str, int]) -> int:
-        """Admit in queue order among what the batching strategy allows; stop at the first misfit."""
+    def _admit_waiting(self, budget: int, planned: dict[str, int], evicted: list[Request]) -> int:
+        """Admit in queue order among what the batching strategy allows; stop at the first misfit.
+
+        A request evicted this very step is not taken back in it (that would only thrash).
+        """
         for request in self.batching.admissible(self.waiting):
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in evicted:
                 break
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size

@@ -16,10 +16,14 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Store new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots."""
+    """Store new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots.
+
+    index_copy_, not `cache[slots] = key`: with the strided K/V views attention hands us, the
+    indexing assignment takes a slow path (~200x slower on CPU, measured).
+    """
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
-    key_cache.view(num_blocks * block_size, kv_heads, head_dim)[slot_mapping] = key
-    value_cache.view(num_blocks * block_size, kv_heads, head_dim)[slot_mapping] = value
+    key_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

@@ -253,7 +253,7 @@ class Simulation:
             assert 1 <= n <= r.num_tokens - r.num_computed_tokens
             if not sc.chunked:
                 assert n == r.num_tokens - r.num_computed_tokens, "prefill split without chunking"
-        if out.preempted:
+        if out.preempted and expected_victim is None:  # pool pressure: no admissions this step
             assert not (set(planned) - was_running), "admitted in a step that preempted"
 
         # ---- admissions (and (e): queue order)
@@ -302,11 +302,11 @@ class Simulation:
                 block = pool.blocks[r.block_ids[p // bs]]
                 assert block.ref_cnt == 1 and block.block_hash is None, "writing a shared/cached block"
                 self.slots[block.block_id][p % bs] = ph[p]
-        for r, n in out.scheduled:
+        for r, n in out.scheduled:  # attention reads every position up to the chunk's end
             end = r.num_computed_tokens + n
+            seen = self.read_kv(r, end)
+            assert seen == self.expected(r, end), "model read wrong KV"
             if end == r.num_tokens:
-                seen = self.read_kv(r, end)
-                assert seen == self.expected(r, end), "model read wrong KV"
                 sampled[r.request_id] = seen[-1] % VOCAB
 
         advanced = sched.update_from_output(out, dict(sampled))
