@@ -2,6 +2,11 @@
 
 `build_app(config)` returns a Serve Application; `app_builder` lets `serve run` / `serve deploy`
 use it directly: `serve run kvloom.cluster.app:app_builder config=configs/local-cpu.yaml`.
+
+Tenants, admin keys and the queue policy travel as the Router's `user_config` (keys already
+hashed), so a Serve config deploy that changes only them reloads the router in place.
+When the router policy ranks priority, replicas run the engine's priority scheduler (unless
+the config sets one) and accept the router's preemption headroom.
 """
 
 from ray import serve
@@ -9,11 +14,23 @@ from ray.serve.config import RequestRouterConfig
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
 from kvloom.replicas.engine_replica import EngineReplica
+from kvloom.router.policies import PolicyConfig
+from kvloom.router.replica_table import PREEMPTION_HEADROOM
 from kvloom.router.request_router import TargetedRequestRouter
-from kvloom.router.server import Router
+from kvloom.router.server import Router, TenancySettings
+from kvloom.router.tenants import key_digest
 
 ROUTER_NAME = "Router"
 REPLICA_NAME = "EngineReplica"
+
+
+def tenancy_user_config(config: ClusterConfig) -> dict:
+    """The Router's reloadable settings, with every key replaced by its digest."""
+    return TenancySettings(
+        **config.router.model_dump(include=set(PolicyConfig.model_fields)),
+        tenants=[t.hashed() for t in config.tenants],
+        admin_keys=[key_digest(k) for k in config.admin_keys],
+    ).model_dump(mode="json")
 
 
 def build_app(config: ClusterConfig) -> serve.Application:
@@ -23,10 +40,12 @@ def build_app(config: ClusterConfig) -> serve.Application:
         else {"num_replicas": config.num_replicas or 1}
     )
     resources = config.resources
+    credit = config.engine.max_num_seqs + config.router.replica_slack
+    ranks_priority = config.router.ranks_priority
     replicas = serve.deployment(EngineReplica).options(
         name=REPLICA_NAME,
         ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
-        max_ongoing_requests=config.engine.max_num_seqs + config.router.replica_slack,
+        max_ongoing_requests=credit * (PREEMPTION_HEADROOM if ranks_priority else 1),
         request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
         health_check_period_s=2,
         health_check_timeout_s=30,
@@ -35,14 +54,17 @@ def build_app(config: ClusterConfig) -> serve.Application:
     )
     router = serve.deployment(Router).options(
         name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
+        user_config=tenancy_user_config(config),
     )
     settings = {
         "served_model_name": config.model_name,
         "model": config.engine.model,
         "block_size": config.engine.block_size,
-        **config.router.model_dump(),
+        **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)
+    if ranks_priority:
+        engine.setdefault("scheduling_policy", "priority")
     return router.bind(replicas.bind(engine, router_name=ROUTER_NAME, torch_threads=resources.torch_threads), settings)
 
 

@@ -1,12 +1,15 @@
-"""ClusterConfig: one YAML file describes a deployment (model, engine knobs, replicas, router, HTTP)."""
+"""ClusterConfig: one YAML file describes a deployment (model, engine knobs, replicas, router, HTTP,
+tenants)."""
 
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvloom.engine.config import EngineConfig
+from kvloom.router.policies import PolicyConfig
+from kvloom.router.tenants import TenantConfig, check_unique
 
 
 class Strict(BaseModel):
@@ -19,7 +22,9 @@ class ReplicaResources(Strict):
     torch_threads: int | None = Field(None, ge=1, description="intra-op threads per CPU replica")
 
 
-class RouterConfig(Strict):
+class RouterConfig(PolicyConfig, Strict):
+    """Admission and replica choice; the queue policy knobs (policy, aging, VTC weights) are reloadable."""
+
     max_queued_requests: int = Field(512, ge=1)
     replica_slack: int = Field(4, ge=0, description="requests a replica may queue beyond max_num_seqs")
     imbalance_threshold: int = Field(8, ge=0, description="load gap that overrides prefix affinity")
@@ -40,6 +45,13 @@ class ClusterConfig(Strict):
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     router: RouterConfig = Field(default_factory=RouterConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
+    tenants: list[TenantConfig] = Field(default_factory=list, description="none: one anonymous tenant, no keys")
+    admin_keys: list[str] = Field(default_factory=list, description="keys for admin endpoints (GET /v1/usage)")
+
+    @model_validator(mode="after")
+    def _unique_tenants(self) -> "ClusterConfig":
+        check_unique(self.tenants, self.admin_keys)
+        return self
 
     @property
     def model_name(self) -> str:
@@ -62,7 +74,8 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
     try:
         config = ClusterConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(": ".join(filter(None, (".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, "))))
+                             for e in exc.errors())
         raise ClusterConfigError(f"{path}: {problems}") from exc
     if config.num_replicas and config.autoscaling_config:
         raise ClusterConfigError(f"{path}: num_replicas: set either num_replicas or autoscaling_config, not both")

@@ -3,6 +3,9 @@
 A replica that dies before a request streamed anything costs that request nothing: it is
 retried at the head of the queue on another replica. One that dies mid-stream ends the request
 with a clear error (a retry would repeat text the client already has).
+
+The tenant's quotas are checked before the request queues, and every token is accounted to the
+tenant exactly once as it streams past: usage, the tokens/min bucket, the VTC counter, metrics.
 """
 
 import asyncio
@@ -16,6 +19,7 @@ import ray.exceptions
 from kvloom.router.admission import AdmissionQueue, Ticket
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
+from kvloom.router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
 
@@ -25,8 +29,11 @@ class Job:
     request_id: str
     payload: dict  # what EngineReplica.generate takes
     prompt_hashes: list[int]
-    tenant: str = "default"
-    priority: int = 0
+    tenant: Tenant = field(default_factory=Tenant.anonymous)
+    priority: int = 0  # effective class (the tenant may or may not ask for better)
+    prompt_tokens: int = 0
+    max_tokens: int | None = None  # None: up to max_model_len
+    estimated_tokens: int = 0  # prompt + max_tokens, for sjf
     arrival: float = field(default_factory=time.monotonic)
 
 
@@ -38,16 +45,37 @@ class Dispatcher:
         self.max_retries = max_retries
 
     async def run(self, job: Job) -> AsyncIterator[dict]:
-        ticket = Ticket(job.request_id, job.prompt_hashes, job.tenant, job.priority)
+        tenant = job.tenant
+        try:
+            tenant.quota.admit(tenant.name, job.prompt_tokens, job.max_tokens, job.arrival)
+        except APIError as exc:
+            self._rejected(tenant, exc)
+            raise
+        ticket = Ticket(job.request_id, job.prompt_hashes, tenant.name, job.priority, tenant.weight,
+                        job.prompt_tokens, job.estimated_tokens, job.arrival, tenant.config.quotas.max_queue_wait_s)
+        try:
+            async for chunk in self._attempts(job, ticket):
+                yield chunk
+        except APIError as exc:
+            self._rejected(tenant, exc)
+            raise
+        finally:
+            tenant.quota.finish(job.prompt_tokens, ticket.dispatched)
+
+    def _rejected(self, tenant: Tenant, exc: APIError) -> None:
+        tenant.reject(exc.code)
+        self.metrics.rejected.labels(tenant.name, exc.code or "error").inc()
+
+    async def _attempts(self, job: Job, ticket: Ticket) -> AsyncIterator[dict]:
         for attempt in range(self.max_retries + 1):
             replica = await self.admission.acquire(ticket, front=attempt > 0)
             if attempt == 0:
-                self.metrics.queue_time.labels(job.tenant).observe(time.monotonic() - job.arrival)
+                self.metrics.queue_time.labels(job.tenant.name).observe(time.monotonic() - job.arrival)
             streamed = False
             finished = False
             response = self.handle.options(stream=True).generate.remote(job.payload, target_replica=replica.replica_id)
             try:
-                async for chunk in self._observed(job, response):
+                async for chunk in self._observed(job, ticket, response):
                     streamed = streamed or bool(chunk.get("token_ids"))
                     finished = chunk.get("finish_reason") is not None or "error" in chunk
                     yield chunk
@@ -61,24 +89,32 @@ class Dispatcher:
             finally:
                 if not finished:
                     response.cancel()
-                self.admission.release(replica)
+                self.admission.release(replica, ticket)
         raise APIError(500, f"request failed on {self.max_retries + 1} replicas", code="replica_failed")
 
-    async def _observed(self, job: Job, response) -> AsyncIterator[dict]:
+    async def _observed(self, job: Job, ticket: Ticket, response) -> AsyncIterator[dict]:
         """Account every streamed token to the tenant as it passes (aborted requests count too)."""
+        tenant, label = job.tenant, job.tenant.name
         first_token_at = None
         async for chunk in response:
-            if "error" not in chunk and first_token_at is None and chunk.get("token_ids"):
+            generated = len(chunk.get("token_ids") or ())
+            if "error" not in chunk and first_token_at is None and generated:
                 first_token_at = time.monotonic()
-                self.metrics.ttft.labels(job.tenant).observe(first_token_at - job.arrival)
-                self.metrics.prompt_tokens.labels(job.tenant).inc(chunk["prompt_tokens"])
-            self.metrics.generation_tokens.labels(job.tenant).inc(len(chunk.get("token_ids") or ()))
+                self.metrics.ttft.labels(label).observe(first_token_at - job.arrival)
+                self.metrics.prompt_tokens.labels(label).inc(chunk["prompt_tokens"])
+                tenant.usage.prompt_tokens += chunk["prompt_tokens"]
+            if generated:
+                self.metrics.generation_tokens.labels(label).inc(generated)
+                tenant.usage.completion_tokens += generated
+                tenant.quota.charge_completion(generated)
+                self.admission.charge(ticket, generated)
             if chunk.get("finish_reason") is not None:
                 now = time.monotonic()
                 done = chunk["completion_tokens"]
-                self.metrics.e2e.labels(job.tenant).observe(now - job.arrival)
+                tenant.usage.requests += 1
+                self.metrics.e2e.labels(label).observe(now - job.arrival)
                 if first_token_at is not None and done > 1:
-                    self.metrics.tpot.labels(job.tenant).observe((now - first_token_at) / (done - 1))
-                self.metrics.requests.labels(job.tenant, chunk["finish_reason"], chunk["replica"]).inc()
+                    self.metrics.tpot.labels(label).observe((now - first_token_at) / (done - 1))
+                self.metrics.requests.labels(label, chunk["finish_reason"], chunk["replica"]).inc()
             yield chunk
             await asyncio.sleep(0)

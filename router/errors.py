@@ -5,6 +5,7 @@ from fastapi.responses import JSONResponse
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -20,7 +21,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
-        self.headers = headers or {}
+        self.headers = headers or ({"WWW-Authenticate": "Bearer"} if status == 401 else {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "error"),

@@ -52,6 +52,15 @@ class RouterMetrics:
         self.tpot = Histogram("kvloom:time_per_output_token_seconds", "Time per output token after the first", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvloom:e2e_request_latency_seconds", "Request latency", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.queue_time = Histogram("kvloom:request_queue_time_seconds", "Time queued in the router", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("kvloom:rejected_requests", "Requests refused or failed, by reason (quota name or error code)", ["tenant", "reason"], registry=r)
+        self.tenant_queued = Gauge("kvloom:tenant_queued_requests", "Requests waiting in the router", ["tenant"], registry=r)
+        self.virtual_counter = Gauge("kvloom:tenant_virtual_counter", "VTC weighted service per tenant", ["tenant"], registry=r)
+
+    def observe_tenants(self, tenants: list[str], queued: dict[str, int], counters: dict[str, float]) -> None:
+        """Scrape-time per-tenant gauges (every known tenant, zeros included)."""
+        for tenant in tenants:
+            self.tenant_queued.labels(tenant).set(queued.get(tenant, 0))
+            self.virtual_counter.labels(tenant).set(counters.get(tenant, 0.0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -2,13 +2,20 @@
 
 Replicas push stats every fraction of a second; one that stops reporting is dropped. Each has
 credit = its max_num_seqs plus a small slack: the router never sends more than that, so
-requests queue (and get ordered) in the router instead of in replica mailboxes. A request goes
+requests queue (and get ordered) in the router instead of in replica mailboxes. Credit is counted
+per priority class: requests of a lower class (higher value) do not use up a better class's
+credit, because the engine preempts them for it; so a replica may hold up to twice its credit when
+classes mix (the preemption headroom), and a high-priority request never waits in the router
+behind a batch of lower ones. A request goes
 to the replica holding the longest cached prefix of its prompt, unless that replica is busier
 than the least loaded one by more than `imbalance_threshold`; otherwise to the least loaded.
 """
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+
+PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when classes mix
 
 
 @dataclass
@@ -19,9 +26,16 @@ class ReplicaState:
     inflight: int = 0  # requests this router has dispatched and not yet seen finish
     dispatched: int = 0
     cached: set[int] = field(default_factory=set)
+    classes: Counter = field(default_factory=Counter)  # in-flight requests per priority class
 
     def capacity(self, slack: int) -> int:
         return int(self.stats.get("max_num_seqs", 1)) + slack
+
+    def has_room(self, slack: int, priority: int) -> bool:
+        """Credit left for a request of this class: only classes at least as good count against it."""
+        credit = self.capacity(slack)
+        as_good = sum(n for p, n in self.classes.items() if p <= priority)
+        return as_good < credit and self.inflight < PREEMPTION_HEADROOM * credit
 
     @property
     def load(self) -> int:
@@ -63,9 +77,9 @@ class ReplicaTable:
             self.drop(replica_id)
         return list(self.replicas.values())
 
-    def choose(self, prompt_hashes: list[int]) -> ReplicaState | None:
-        """The replica for a request, or None when no replica has credit left."""
-        open_replicas = [r for r in self.live() if r.inflight < r.capacity(self.slack)]
+    def choose(self, prompt_hashes: list[int], priority: int = 0) -> ReplicaState | None:
+        """The replica for a request, or None when no replica has credit left for its class."""
+        open_replicas = [r for r in self.live() if r.has_room(self.slack, priority)]
         if not open_replicas:
             return None
         least = min(open_replicas, key=lambda r: (r.load, r.dispatched))
@@ -74,10 +88,17 @@ class ReplicaTable:
             return best
         return least
 
-    def take(self, replica: ReplicaState, prompt_hashes: list[int]) -> None:
+    def max_model_len(self) -> int:
+        return max((int(r.stats.get("max_model_len", 0)) for r in self.live()), default=0)
+
+    def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0) -> None:
         replica.inflight += 1
         replica.dispatched += 1
+        replica.classes[priority] += 1
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
 
-    def give_back(self, replica: ReplicaState) -> None:
+    def give_back(self, replica: ReplicaState, priority: int = 0) -> None:
         replica.inflight = max(0, replica.inflight - 1)
+        replica.classes[priority] = max(0, replica.classes[priority] - 1)
+        if not replica.classes[priority]:
+            del replica.classes[priority]

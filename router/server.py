@@ -3,6 +3,10 @@
 `api` is only the route table: Serve's class-based ingress must rewrite it at import time in
 every process that imports this module, so it lives at module level; all runtime state lives on
 the `Router` instance.
+
+Tenants, admin keys and the queue policy come in through Serve's `user_config`, so a config
+change that touches only them is applied by `reconfigure()` without restarting anything: usage,
+quota buckets, VTC counters and queued requests carry over.
 """
 
 import json
@@ -12,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from kvloom.engine.block_pool import prompt_block_hashes
@@ -20,8 +24,11 @@ from kvloom.router.admission import AdmissionQueue
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.metrics import RouterMetrics
+from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from kvloom.router.replica_table import ReplicaTable
+from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
+from kvloom.router.vtc import VirtualCounters
 
 
 class RouterSettings(BaseModel):
@@ -34,6 +41,13 @@ class RouterSettings(BaseModel):
     replica_slack: int = 4
     imbalance_threshold: int = 8
     max_retries: int = 2
+
+
+class TenancySettings(PolicyConfig):
+    """The reloadable part (Serve user_config): tenants with hashed keys, admin keys, queue policy."""
+
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    admin_keys: list[str] = Field(default_factory=list)
 
 
 api = FastAPI(title="kvloom", description="OpenAI-compatible LLM serving")
@@ -53,10 +67,25 @@ class Router:
         self.settings = RouterSettings(**settings)
         self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(self.settings.model), local_files_only=True)
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
-        self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests)
+        self.counters = VirtualCounters()
+        self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)
+        self.tenants = TenantRegistry()
         self.metrics = RouterMetrics(self.table)
         self.dispatcher = Dispatcher(replicas_handle, self.admission, self.metrics, self.settings.max_retries)
         self.created = int(time.time())
+        self._apply(TenancySettings())
+
+    # ---- reloadable settings ----------------------------------------------------------------
+    async def reconfigure(self, user_config: dict) -> None:
+        """Serve calls this on start and whenever only the user_config changed."""
+        self._apply(TenancySettings.model_validate(user_config))
+
+    def _apply(self, settings: TenancySettings) -> None:
+        self.tenants.reconfigure(settings.tenants, settings.admin_keys)
+        self.counters.input_weight = settings.vtc_input_weight
+        self.counters.output_weight = settings.vtc_output_weight
+        self.admission.set_policy(make_policy(settings, self.counters))
+        self.tenancy = settings
 
     # ---- called by replicas -----------------------------------------------------------------
     async def report_replica_stats(self, stats: dict) -> None:
@@ -90,7 +119,14 @@ class Router:
         self._check_model(parsed.model)
         return parsed
 
-    def _job(self, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
+    def _tenant(self, request: Request) -> Tenant:
+        return self.tenants.authenticate(request.headers.get("authorization"))
+
+    def _job(self, tenant: Tenant, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
+        limit = tenant.config.quotas.max_tokens_per_request
+        if max_tokens is None and limit is not None:
+            max_tokens = max(1, limit - len(token_ids))  # "as long as the tenant may"; admission checks the prompt
+        priority = tenant.effective_priority(body.priority)
         try:
             sampling = body.sampling_params(max_tokens or 1, logprobs).model_dump()
         except ValidationError as exc:
@@ -99,9 +135,10 @@ class Router:
             del sampling["max_tokens"]  # the replica fills in "up to max_model_len"
         request_id = uuid.uuid4().hex
         payload = {"request_id": request_id, "prompt_token_ids": token_ids, "sampling": sampling,
-                   "priority": body.priority or 0}
-        return Job(request_id, payload, prompt_block_hashes(token_ids, self.settings.block_size),
-                   priority=body.priority or 0)
+                   "priority": priority}
+        return Job(request_id, payload, prompt_block_hashes(token_ids, self.settings.block_size), tenant=tenant,
+                   priority=priority, prompt_tokens=len(token_ids), max_tokens=max_tokens,
+                   estimated_tokens=len(token_ids) + (max_tokens or self.table.max_model_len()))
 
     async def _start(self, job: Job) -> tuple[dict, AsyncIterator[dict]]:
         """Run until the first chunk, so errors become a proper status before any byte is sent."""
@@ -123,20 +160,38 @@ class Router:
     @api.get("/metrics")
     async def metrics_endpoint(self) -> Response:
         self.metrics.router_queued.set(len(self.admission))
+        self.metrics.observe_tenants(list(self.tenants.ledger), self.admission.queued_by_tenant(), self.counters.values)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @api.get("/v1/usage")
+    async def usage(self, request: Request):
+        """Exact per-tenant usage since the router started (admin key)."""
+        try:
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
+        except APIError as exc:
+            return exc.response()
+        usage = self.tenants.usage()
+        return {"object": "list", "policy": self.tenancy.policy, "data": [
+            {"tenant": name, **entry, "virtual_counter": self.counters.value(name),
+             "queued": self.admission.queued_by_tenant().get(name, 0)} for name, entry in usage.items()]}
+
     @api.get("/v1/models")
-    async def models(self) -> dict:
+    async def models(self, request: Request):
+        try:
+            self._tenant(request)
+        except APIError as exc:
+            return exc.response()
         return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model",
                                              "created": self.created, "owned_by": "kvloom"}]}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
+            tenant = self._tenant(request)
             body: CompletionRequest = await self._parse(request, CompletionRequest)
             prompt = body.single_prompt()
             token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            job = self._job(body, token_ids, body.max_tokens or 16, body.logprobs)
+            job = self._job(tenant, body, token_ids, body.max_tokens or 16, body.logprobs)
             first, stream = await self._start(job)
         except APIError as exc:
             return exc.response()
@@ -154,11 +209,12 @@ class Router:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         try:
+            tenant = self._tenant(request)
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             token_ids = list(self.tokenizer.apply_chat_template(
                 body.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False))
             logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            job = self._job(body, token_ids, body.max_completion_tokens or body.max_tokens, logprobs)
+            job = self._job(tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, logprobs)
             first, stream = await self._start(job)
         except APIError as exc:
             return exc.response()
