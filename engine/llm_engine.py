@@ -67,6 +67,9 @@ class LLMEngine:
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
         hf_config = self.model.config
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
+        if self.max_model_len > hf_config.max_position_embeddings:
+            raise ConfigError("max_model_len", f"{self.max_model_len} exceeds the model's context length "
+                                               f"({hf_config.max_position_embeddings})")
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.block_size = config.block_size

@@ -19,6 +19,8 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         from kvloom.kernels import reference as impl
     elif name == "cpu":
         from kvloom.kernels import cpu_attention as impl
+
+        impl.decode_extension()  # build (once per machine) now rather than on the first request
     elif name == "triton":
         from kvloom.kernels import triton_attention as impl
     else:

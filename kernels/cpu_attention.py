@@ -1,9 +1,17 @@
-"""CPU fast path: batched decode over gathered blocks, per-request SDPA for prefill chunks.
+"""CPU fast path: a C++ paged decode kernel, per-request SDPA for prefill chunks.
 
-Decode rows (one query token) of the whole batch share one gather and one fused
-scaled-dot-product call, padded to the longest context and masked; prefill chunks are few per
-step and compute-heavy, so each gets its own causal SDPA call over its cached prefix.
+Decode rows (one query token) dominate steady-state serving and are memory-bound: the C++
+kernel (cpu_decode.cpp, built once per machine with torch's JIT extension loader) reads K/V
+straight from the blocks, about 10x faster than gathering them into a padded batch for SDPA
+(measured at batch 32, context ~200). Where the kernel cannot be built, or for dtypes other than
+float32, decode falls back to one gathered, masked SDPA call. Prefill chunks are few per step and
+compute-heavy, so each gets its own causal SDPA call over its cached prefix.
 """
+
+import functools
+import logging
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -11,23 +19,38 @@ import torch.nn.functional as F
 from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.reference import gather_kv, write_kv
 
-__all__ = ["write_kv", "paged_attention"]
+__all__ = ["write_kv", "paged_attention", "decode_extension"]
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def decode_extension():
+    """The compiled decode kernel, or None (with a warning) where it cannot be built."""
+    from torch.utils.cpp_extension import load
+
+    source = Path(__file__).with_name("cpu_decode.cpp")
+    try:
+        return load("kvloom_cpu_decode", [str(source)],
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only"])
+    except Exception as exc:  # no compiler, no ninja, ...: stay correct, just slower
+        logger.warning("kvloom CPU decode kernel unavailable (%s); using the torch fallback", exc)
+        return None
 
 
 def _decode(
-    query: torch.Tensor,
+    q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    rows: list[int],
     tables: torch.Tensor,
     seq_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
+    """Fallback: gather every decode request's blocks into one padded, masked SDPA call."""
     block_size = key_cache.shape[1]
     max_len = max(seq_lens)
     num_blocks = -(-max_len // block_size)
     tables = tables[:, :num_blocks].long()
-    batch = len(rows)
+    batch = len(seq_lens)
     keys = key_cache[tables].view(batch, num_blocks * block_size, *key_cache.shape[2:])
     values = value_cache[tables].view(batch, num_blocks * block_size, *value_cache.shape[2:])
     lengths = torch.tensor(seq_lens).unsqueeze(1)
@@ -37,9 +60,8 @@ def _decode(
     keys.masked_fill_(~valid[:, :, None, None], 0)
     values.masked_fill_(~valid[:, :, None, None], 0)
     mask = valid.view(batch, 1, 1, -1)
-    q = query[rows].unsqueeze(2)  # [B, H, 1, D]
     out = F.scaled_dot_product_attention(
-        q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
+        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out.squeeze(2)
 
@@ -61,6 +83,34 @@ def _prefill(
     return out[0].transpose(0, 1)
 
 
+@dataclass
+class _StepPlan:
+    """Per-step work split, computed once and shared by every layer."""
+
+    decode_rows: torch.Tensor  # query rows of one-token requests
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    decode_lens_host: list[int]
+    prefills: list[tuple[int, int, int]]  # (request index, first row, query length)
+
+
+def _plan(meta: AttentionMetadata) -> _StepPlan:
+    plan = meta.derived.get("cpu")
+    if plan is None:
+        starts = meta.query_start_loc.tolist()
+        decodes = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+        index = torch.tensor(decodes, dtype=torch.long)
+        plan = _StepPlan(
+            decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
+            decode_tables=meta.block_tables[index],
+            decode_lens=meta.seq_lens[index],
+            decode_lens_host=[meta.seq_lens_host[i] for i in decodes],
+            prefills=[(i, starts[i], q) for i, q in enumerate(meta.query_lens) if q > 1],
+        )
+        meta.derived["cpu"] = plan
+    return plan
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -68,20 +118,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
+    plan = _plan(meta)
     out = torch.empty_like(query)
-    starts = meta.query_start_loc.tolist()
-    decode_seqs = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
-    if decode_seqs:
-        rows = [starts[i] for i in decode_seqs]
-        out[rows] = _decode(
-            query, key_cache, value_cache, rows, meta.block_tables[decode_seqs],
-            [meta.seq_lens_host[i] for i in decode_seqs], scale,
+    if plan.decode_lens_host:
+        q = query.index_select(0, plan.decode_rows)
+        ext = decode_extension() if query.dtype == key_cache.dtype == torch.float32 else None
+        if ext is not None:
+            decoded = ext.paged_decode(q, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale)
+        else:
+            decoded = _decode(q, key_cache, value_cache, plan.decode_tables, plan.decode_lens_host, scale)
+        out.index_copy_(0, plan.decode_rows, decoded)
+    for i, start, q_len in plan.prefills:
+        out[start : start + q_len] = _prefill(
+            query[start : start + q_len], key_cache, value_cache, meta.block_tables[i], meta.seq_lens_host[i], scale
         )
-    for i, q_len in enumerate(meta.query_lens):
-        if q_len > 1:
-            start = starts[i]
-            out[start : start + q_len] = _prefill(
-                query[start : start + q_len], key_cache, value_cache, meta.block_tables[i],
-                meta.seq_lens_host[i], scale,
-            )
     return out

@@ -7,7 +7,7 @@ prefix + the new ones). Query row `j` of request `i` sits at absolute position
 `seq_lens[i] - query_len_i + j` and attends causally to KV positions `<=` that.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    derived: dict = field(default_factory=dict)  # per-step values a backend computes once for all layers
 
     @property
     def num_seqs(self) -> int:

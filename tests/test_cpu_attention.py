@@ -19,6 +19,16 @@ from kvloom.kernels.metadata import AttentionMetadata
 
 ATOL = RTOL = 1e-5
 
+
+@pytest.fixture(autouse=True, params=["cpp-kernel", "torch-fallback"])
+def decode_path(request, monkeypatch):
+    """Every case runs on the compiled decode kernel and on the pure-torch fallback."""
+    if request.param == "cpp-kernel":
+        assert cpu_attention.decode_extension() is not None, "the C++ decode kernel failed to build"
+    else:
+        monkeypatch.setattr(cpu_attention, "decode_extension", lambda: None)
+    return request.param
+
 # (num_heads, num_kv_heads, head_dim): the tiny test model's GQA shape and a 9/3 GQA with head_dim 64
 HEAD_SHAPES = [(4, 2, 16), (9, 3, 64)]
 
