@@ -84,6 +84,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(limits, self.kv)
         self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # finished prefills holding KV until handed off
+        self.reserved: dict[str, Request] = {}  # decodes holding blocks while their KV arrives
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._seed_counter = itertools.count(config.seed * 1_000_003)
@@ -202,20 +204,25 @@ class LLMEngine:
         return request
 
     def add_prepared(self, request: Request) -> None:
-        if request.request_id in self.requests:
+        self.register_request(request)
+        self.scheduler.add_request(request)
+
+    def register_request(self, request: Request) -> None:
+        """Per-request engine state: generator, detokenizer, and the id table."""
+        if request.request_id in self.requests or request.request_id in self.parked:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         params = request.sampling_params
         seed = params.seed if params.seed is not None else next(self._seed_counter)
         self._generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         if params.detokenize:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, params.stop
+                self.tokenizer, request.token_ids, params.stop  # an imported decode: prompt + first token
             )
         self.requests[request.request_id] = request
-        self.scheduler.add_request(request)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at any stage and free everything it holds."""
+        self.release_parked(request_id)
         request = self.requests.get(request_id)
         if request is None:
             return None
@@ -224,6 +231,13 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def release_parked(self, request_id: str) -> bool:
+        """Free a hand-off's blocks: a parked prefill (sent, or given up) or a reserved decode."""
+        request = self.parked.pop(request_id, None) or self.reserved.pop(request_id, None)
+        if request is not None:
+            self.kv.free(request)
+        return request is not None
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -246,7 +260,9 @@ class LLMEngine:
                 request.output_logprobs.append(token.logprobs)
             status = self._check_stop(request, token.token_id)
             if status is not None:
-                self.scheduler.finish_request(request, status)
+                self.scheduler.finish_request(request, status, free_blocks=not request.park_kv)
+                if request.park_kv:
+                    self.parked[request.request_id] = request
             outputs.append(self._finalize(request, [token.token_id]) if status else
                            self._output(request, [token.token_id]))
         return outputs

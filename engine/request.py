@@ -32,6 +32,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
+    park_kv: bool = False  # disaggregated prefill: keep the blocks after finishing, for a KV hand-off
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens

@@ -62,13 +62,14 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.add(request)
 
-    def finish_request(self, request: Request, status: RequestStatus) -> None:
-        """Take a request out of the scheduler for good and free its blocks."""
+    def finish_request(self, request: Request, status: RequestStatus, free_blocks: bool = True) -> None:
+        """Take a request out of the scheduler for good; its blocks are freed unless parked."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif not request.status.finished:
             self.waiting.remove(request)
-        self.kv.free(request)
+        if free_blocks:
+            self.kv.free(request)
         self.batching.on_finish(request)
         request.status = status
 
@@ -81,6 +82,11 @@ class Scheduler:
         if self.limits.policy == "priority":
             return priority_key(request)
         return (0, request.arrival_time)
+
+    def adopt_running(self, request: Request) -> None:
+        """Take in a request whose KV is already in its blocks (a disaggregated decode)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         self.running.remove(request)
