@@ -11,8 +11,9 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
@@ -21,6 +22,7 @@ from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -62,10 +64,13 @@ class AsyncLLMEngine:
         async for output in self.generate_request(request):
             yield output
 
-    async def generate_request(self, request: Request) -> AsyncIterator[RequestOutput]:
+    async def generate_request(
+        self, request: Request, start: Callable[[LLMEngine], None] | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a prepared request; `start` (default: queue it) runs on the engine thread."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request.request_id] = stream
-        self._send("add", request)
+        self._send(start or (lambda engine: engine.add_prepared(request)), stream)
         finished = False
         try:
             while not finished:
@@ -80,7 +85,23 @@ class AsyncLLMEngine:
                 self.abort(request.request_id)
 
     def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        self._send(lambda engine: engine.abort(request_id))
+
+    async def run_on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine thread (the only one that may touch engine state)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def call(engine: LLMEngine) -> None:
+            try:
+                result = fn(engine)
+            except Exception as exc:
+                loop.call_soon_threadsafe(future.set_exception, exc)
+            else:
+                loop.call_soon_threadsafe(future.set_result, result)
+
+        self._send(call)
+        return await future
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -96,26 +117,23 @@ class AsyncLLMEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _send(self, kind: str, payload) -> None:
-        self._commands.put((kind, payload))
+    def _send(self, fn: Callable[[LLMEngine], object], errors_to: _Stream | None = None) -> None:
+        self._commands.put((fn, errors_to))
         self._wake.set()
 
     # ---- engine thread ----------------------------------------------------------------------
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, payload = self._commands.get_nowait()
+                fn, errors_to = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                try:
-                    self.engine.add_prepared(payload)
-                except Exception as exc:  # e.g. a duplicate id: fail that stream only
-                    stream = self._streams.get(payload.request_id)
-                    if stream:
-                        stream.put(exc)
-            else:
-                self.engine.abort(payload)
+            try:
+                fn(self.engine)
+            except Exception as exc:  # e.g. a duplicate id: fail that stream only
+                if errors_to is None:
+                    raise
+                errors_to.put(exc)
 
     def _run(self) -> None:
         try:

@@ -18,6 +18,8 @@ from ray import serve
 from kvloom.engine.async_engine import AsyncLLMEngine
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.outputs import RequestOutput
+from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -40,6 +42,8 @@ def engine_device(config: EngineConfig) -> EngineConfig:
 
 
 class EngineReplica:
+    role = "colocated"
+
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
                        torch_threads: int | None = None) -> None:
         if torch_threads:
@@ -67,6 +71,7 @@ class EngineReplica:
         s = engine.stats()
         return {
             "replica_id": self.replica_id,
+            "role": self.role,
             "node_id": self.node_id,
             "device": str(engine.device),
             "max_num_seqs": self.config.max_num_seqs,
@@ -85,28 +90,40 @@ class EngineReplica:
             "time": time.time(),
         }
 
+    def make_request(self, request: dict) -> Request:
+        """Validate a router payload; a missing max_tokens means "up to max_model_len"."""
+        engine = self.engine.engine
+        sampling = dict(request["sampling"])
+        sampling.setdefault("max_tokens", max(1, engine.max_model_len - len(request["prompt_token_ids"])))
+        return engine.make_request(
+            request["request_id"], request["prompt_token_ids"], SamplingParams(**sampling), request.get("priority", 0)
+        )
+
+    def error_chunk(self, exc: Exception) -> dict:
+        return {"error": {"message": str(exc), "param": getattr(exc, "field", None)}, "replica": self.replica_id}
+
+    def chunk(self, output: RequestOutput) -> dict:
+        completion = output.outputs[0]
+        return {
+            "replica": self.replica_id,
+            "text": completion.delta_text,
+            "token_ids": completion.delta_token_ids,
+            "logprobs": completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": len(output.prompt_token_ids),
+            "completion_tokens": len(completion.token_ids),
+            "cached_tokens": output.num_cached_tokens,
+        }
+
     async def generate(self, request: dict, target_replica: str | None = None) -> AsyncIterator[dict]:
         """Stream chunks for one request: {"error": ...} first and alone if it is invalid."""
         try:
-            params = SamplingParams(**request["sampling"])
-            req = self.engine.engine.make_request(
-                request["request_id"], request["prompt_token_ids"], params, request.get("priority", 0)
-            )
+            req = self.make_request(request)
         except (InvalidRequestError, ValueError) as exc:
-            yield {"error": {"message": str(exc), "param": getattr(exc, "field", None)}, "replica": self.replica_id}
+            yield self.error_chunk(exc)
             return
         async for output in self.engine.generate_request(req):
-            completion = output.outputs[0]
-            yield {
-                "replica": self.replica_id,
-                "text": completion.delta_text,
-                "token_ids": completion.delta_token_ids,
-                "logprobs": completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
-                "finish_reason": completion.finish_reason,
-                "prompt_tokens": len(output.prompt_token_ids),
-                "completion_tokens": len(completion.token_ids),
-                "cached_tokens": output.num_cached_tokens,
-            }
+            yield self.chunk(output)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
