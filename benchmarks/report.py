@@ -1,0 +1,274 @@
+"""Render benchmark results (the JSON-ready dicts of `bench`) as markdown tables and PNG plots.
+
+Everything here reads plain dicts, so a saved JSON re-renders without running anything.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+LATENCIES = ("ttft", "tpot", "e2e")
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _ok(run: dict) -> list[dict]:
+    return [r for r in run["results"] if r["metrics"]]
+
+
+def _fmt(value, spec: str = ".2f", scale: float = 1.0, missing: str = "–") -> str:
+    return missing if value is None else format(value * scale, spec)
+
+
+def _pct(value) -> str:
+    return _fmt(value, ".0%")
+
+
+def _lat(stats: dict | None, key: str, ms: bool) -> str:
+    if not stats:
+        return "–"
+    return _fmt(stats[key], ".0f" if ms else ".1f", 1000 if ms else 1)
+
+
+def _match(run: dict, name: str) -> str:
+    eq = run.get("equality", {}).get(name)
+    if eq is None:
+        return "reference"
+    return f"{eq['equal']}/{eq['compared']}"
+
+
+def results_table(run: dict) -> str:
+    """One row per system: throughput, latency percentiles, batch efficiency, memory, output check."""
+    head = ("| system | status | req | out tok/s | total tok/s | req/s | TTFT p50/p90/p99 s | "
+            "TPOT p50/p90/p99 ms | E2E p50/p90/p99 s | mean batch | idle | padding | KV mean/peak | "
+            "prefix hit | preempt | peak RSS MB | outputs equal |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in run["results"]:
+        m = r["metrics"]
+        name = r["spec"]["name"]
+        if not m:
+            rows.append(f"| {name} | {r['status']} |" + " – |" * (head.count("|") - 3))
+            continue
+        lat = [" / ".join(_lat(m[k], q, ms=(k == "tpot")) for q in ("p50", "p90", "p99")) for k in LATENCIES]
+        rows.append(
+            f"| {name} | {r['status']} | {m['num_requests']} | {m['output_tok_s']:.1f} | {m['total_tok_s']:.1f} | "
+            f"{m['requests_s']:.3f} | {lat[0]} | {lat[1]} | {lat[2]} | {_fmt(m['mean_batch_size'], '.1f')} | "
+            f"{_pct(m['idle_ratio'])} | {_pct(m['padding_ratio'])} | "
+            f"{_pct(m['kv_usage_mean'])} / {_pct(m['kv_usage_peak'])} | {_pct(m['prefix_hit_rate'])} | "
+            f"{_fmt(m['preemptions'], 'd')} | {_fmt(m['peak_rss_mb'], '.0f')} | {_match(run, name)} |")
+    return "\n".join(rows)
+
+
+def notes(run: dict) -> str:
+    """Every system's notes (subsets, time limits) and every output mismatch, spelled out."""
+    lines = []
+    for r in run["results"]:
+        for note in (r["metrics"] or {}).get("notes", []):
+            lines.append(f"- {r['spec']['name']}: {note}")
+        if r["status"] not in ("ok",):
+            lines.append(f"- {r['spec']['name']}: {r['status']}")
+    for name, eq in run.get("equality", {}).items():
+        if eq["mismatches"]:
+            where = ", ".join(f"{m['id']} at token {m['first_diff']}/{m['length']}" for m in eq["mismatches"][:6])
+            more = f" (+{len(eq['mismatches']) - 6} more)" if len(eq["mismatches"]) > 6 else ""
+            lines.append(f"- {name} vs {eq['reference']}: {len(eq['mismatches'])} of {eq['compared']} outputs "
+                         f"differ, first divergence: {where}{more}")
+    return "\n".join(lines)
+
+
+def metric(run: dict, system: str, path: str):
+    """A metric of one system in a run, by dotted path ("output_tok_s", "tpot.p99"); None if absent."""
+    for r in run["results"]:
+        if r["spec"]["name"] == system and r["metrics"]:
+            value = r["metrics"]
+            for key in path.split("."):
+                value = value.get(key) if isinstance(value, dict) else None
+            return value
+    return None
+
+
+# ---- plots --------------------------------------------------------------------------------------
+def plot_throughput(run: dict, path: Path) -> Path:
+    plt = _pyplot()
+    results = _ok(run)
+    names = [r["spec"]["name"] for r in results]
+    out = [r["metrics"]["output_tok_s"] for r in results]
+    total = [r["metrics"]["total_tok_s"] for r in results]
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(names)), 4))
+    ax.bar(x - 0.2, out, 0.4, label="output tok/s")
+    ax.bar(x + 0.2, total, 0.4, label="total tok/s (prompt + output)")
+    for xi, v in zip(x, out):
+        ax.annotate(f"{v:.0f}", (xi - 0.2, v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(x, [n + ("*" if r["spec"]["num_requests"] else "") for n, r in zip(names, results)],
+                  rotation=20, ha="right")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{run['label']}: throughput by system (* = stated subset)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_latency_cdfs(run: dict, path: Path) -> Path:
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+    for ax, key, unit in zip(axes, LATENCIES, ("s", "ms", "s")):
+        for r in _ok(run):
+            values = np.sort([q[key] * (1000 if unit == "ms" else 1) for q in r["requests"] if q[key] is not None])
+            if len(values):
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=r["spec"]["name"])
+        ax.set_xlabel(f"{key.upper()} ({unit})")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{run['label']}: latency CDFs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
+    """Throughput and tail latency against offered load, one line per system."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    systems = [r["spec"]["name"] for r in runs[0]["results"]]
+    rates = [run["params"]["rate"] for run in runs]
+    for name in systems:
+        ax1.plot(rates, [metric(run, name, "output_tok_s") for run in runs], "o-", label=name)
+        ax2.plot(rates, [metric(run, name, "ttft.p99") for run in runs], "o-", label=name)
+    ax1.set_xlabel("request rate (req/s)")
+    ax1.set_ylabel("output tok/s")
+    ax1.set_title("throughput vs offered load")
+    ax2.set_xlabel("request rate (req/s)")
+    ax2.set_ylabel("p99 TTFT (s)")
+    ax2.set_yscale("log")
+    ax2.set_title("tail latency vs offered load")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_tradeoff(sweep: dict, path: Path) -> Path:
+    """Throughput against p99 TPOT for each swept value, with the latency budget marked."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    points = [(p["value"], p["tpot_p99_s"] * 1000, p["output_tok_s"]) for p in sweep["points"] if p["output_tok_s"]]
+    ax.plot([p[1] for p in points], [p[2] for p in points], "o-")
+    for value, x, y in points:
+        ax.annotate(f"{sweep['param']}={value}", (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    if sweep.get("tpot_budget_s"):
+        ax.axvline(sweep["tpot_budget_s"] * 1000, color="red", ls="--", label="p99 TPOT budget")
+        ax.legend()
+    ax.set_xlabel("p99 TPOT (ms)")
+    ax.set_ylabel("output tok/s")
+    ax.set_title(f"{sweep['label']}: throughput vs latency over {sweep['param']}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- sections -----------------------------------------------------------------------------------
+def run_section(run: dict, out_dir: Path, stem: str, title: str) -> str:
+    """A run's table, notes and its two plots (written next to the markdown)."""
+    tput = plot_throughput(run, out_dir / f"{stem}-throughput.png")
+    cdf = plot_latency_cdfs(run, out_dir / f"{stem}-latency.png")
+    params = ", ".join(f"{k}={v}" for k, v in run["params"].items())
+    parts = [f"## {title}", f"Workload `{run['workload']}` ({params}): {run['num_requests']} requests, "
+             f"{run['output_tokens']} output tokens.", "", results_table(run)]
+    if (n := notes(run)):
+        parts += ["", n]
+    parts += ["", f"![throughput]({tput.name})", f"![latency CDFs]({cdf.name})"]
+    return "\n".join(parts)
+
+
+def rate_section(runs: list[dict], out_dir: Path, stem: str) -> str:
+    plot = plot_rate_sweep(runs, out_dir / f"{stem}-rates.png")
+    head = "| rate (req/s) | " + " | ".join(r["spec"]["name"] for r in runs[0]["results"]) + " |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for run in runs:
+        cells = [f"{_fmt(metric(run, r['spec']['name'], 'output_tok_s'), '.1f')} tok/s, p99 TTFT "
+                 f"{_fmt(metric(run, r['spec']['name'], 'ttft.p99'), '.1f')} s" for r in run["results"]]
+        rows.append(f"| {run['params']['rate']} | " + " | ".join(cells) + " |")
+    return "\n".join(["## `chat`: throughput vs request rate", "\n".join(rows), "",
+                      f"![throughput vs rate]({plot.name})"])
+
+
+def sweep_section(sweep: dict, out_dir: Path, stem: str) -> str:
+    plot = plot_tradeoff(sweep, out_dir / f"{stem}-tradeoff.png")
+    rows = [f"| {sweep['param']} | out tok/s | p99 TPOT ms | p99 TTFT s | mean batch |", "|---|---|---|---|---|"]
+    for p in sweep["points"]:
+        rows.append(f"| {p['value']} | {_fmt(p['output_tok_s'], '.1f')} | {_fmt(p['tpot_p99_s'], '.0f', 1000)} | "
+                    f"{_fmt(p['ttft_p99_s'], '.1f')} | {_fmt(p['mean_batch_size'], '.1f')} |")
+    best = sweep.get("best")
+    verdict = (f"Best setting within a p99 TPOT budget of {sweep['tpot_budget_s'] * 1000:.0f} ms: "
+               f"**{sweep['param']}={best['value']}** ({best['output_tok_s']:.1f} out tok/s, p99 TPOT "
+               f"{best['tpot_p99_s'] * 1000:.0f} ms)." if best else
+               f"No setting meets a p99 TPOT budget of {sweep['tpot_budget_s'] * 1000:.0f} ms.")
+    return "\n".join([f"## Sweep of `{sweep['param']}` ({sweep['label']})", "\n".join(rows), "", verdict, "",
+                      f"![trade-off]({plot.name})"])
+
+
+def roofline_section(machine: dict, run: dict, system: str) -> str:
+    wall = metric(run, system, "wall_s")
+    lines = [
+        "## Roofline",
+        f"fp32 GEMM with the model's weight shapes, {run['workload']} FLOPs counted from its tokens:",
+        f"- GEMM rate at M={machine['decode_m']} (decoder linears + LM head): {machine['decode_rate'] / 1e9:.1f} GFLOP/s; "
+        f"at M={machine['prefill_m']} (decoder linears): {machine['prefill_rate'] / 1e9:.1f} GFLOP/s",
+        f"- model FLOPs: prefill {machine['prefill_flops'] / 1e12:.2f} TFLOP, decode {machine['decode_flops'] / 1e12:.2f} TFLOP",
+        f"- compute roofline {machine['roofline_s']:.1f} s; `{system}` wall {_fmt(wall, '.1f')} s = "
+        f"**{_fmt(wall / machine['roofline_s'] if wall else None, '.2f')}x roofline**",
+        "",
+        "| decode probe | context | step ms | forward ms | overhead outside forward | GFLOP/s | GEMM GFLOP/s at M=batch | efficiency |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in machine["probes"]:
+        lines.append(f"| batch {p['batch']} | {p['context']} | {p['step_s'] * 1000:.0f} | {p['forward_s'] * 1000:.0f} | "
+                     f"{p['overhead']:.1%} | {p['flops_per_s'] / 1e9:.1f} | {p['gemm_rate'] / 1e9:.1f} | {p['efficiency']:.0%} |")
+    return "\n".join(lines)
+
+
+def environment_lines(env: dict) -> str:
+    s = env["settings"]
+    return (f"Machine `{env['host']}`: {env['cpus']} CPUs, torch {env['torch']}, transformers {env['transformers']}; "
+            f"torch threads {env['threads']} for every system, OMP_WAIT_POLICY={env['omp_wait_policy']}. "
+            f"Shared settings: max_num_seqs={s['max_num_seqs']}, max_num_batched_tokens={s['max_num_batched_tokens']}, "
+            f"KV budget {s['kv_cache_memory_bytes'] / 2**30:.1f} GiB, prefix caching "
+            f"{'on' if s['enable_prefix_caching'] else 'off'}, per-system limit {s['timeout_s']:.0f} s, "
+            f"hf-cb attention `{s['hf_cb_attention']}`.")
+
+
+def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
+    """JSON, markdown and PNGs of one `kvloom bench` invocation."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
+    parts = [f"# kvloom bench: {doc['title']}", environment_lines(doc["environment"])]
+    runs = doc["runs"]
+    for i, run in enumerate(runs):
+        parts.append(run_section(run, out_dir, f"{stem}-{i}" if len(runs) > 1 else stem, run["label"]))
+    if len(runs) > 1 and all("rate" in run["params"] for run in runs):
+        parts.append(rate_section(runs, out_dir, stem))
+    if doc.get("machine"):
+        parts.append(roofline_section(doc["machine"], runs[0], doc["roofline_system"]))
+    if doc.get("sweep"):
+        parts.append(sweep_section(doc["sweep"], out_dir, stem))
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n\n".join(parts) + "\n")
+    return path

@@ -1,0 +1,199 @@
+"""Seeded benchmark workloads, saved as JSONL so every system replays identical input.
+
+Prompts are windows cut from a deterministic synthetic English corpus tokenized with the model's
+own tokenizer: the token statistics (and so attention patterns) look like text, not like one
+repeated id, and no dataset download is needed. Output lengths are forced (the systems ignore EOS),
+so every system produces exactly the same number of tokens per request.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+# A small vocabulary sampled with Zipf-like weights gives text whose token frequencies resemble prose.
+_WORDS = """
+the of and to a in is that for it as was with be by on not he this are or his from at which but have
+an they you were her she there been one all we their has would when if so no will more can its what
+about time only other new some could these two may first then do any like my now over such our man me
+even most made after also did many before must through back years where much your way well down should
+because each just those people how too little state good very make world still own see men work long get
+here between both life being under never day same another know while last might us great old year off
+come since against go came right used take three system model memory cache token request batch server
+engine network kernel layer block queue latency throughput compute value design data signal process
+river mountain city market music history science language water light garden window letter story
+question answer problem reason number table paper voice school family country house morning evening
+quickly slowly carefully often rarely together almost always never perhaps simply really quite rather
+""".split()
+_ENDS = [".", ".", ".", ".", "?", "!"]
+
+
+def synthetic_text(num_words: int, seed: int = 0) -> str:
+    """Deterministic prose-like text: Zipf-weighted words, sentences of 6-24 words with commas, paragraphs."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, len(_WORDS) + 1) ** 1.1
+    words = rng.choice(len(_WORDS), size=num_words, p=weights / weights.sum())
+    out: list[str] = []
+    sentence_left = 0
+    for i, w in enumerate(words):
+        word = _WORDS[w]
+        if sentence_left == 0:
+            sentence_left = int(rng.integers(6, 25))
+            word = word.capitalize()
+            if out and rng.random() < 0.15:
+                out.append("\n\n")
+        sentence_left -= 1
+        if sentence_left == 0:
+            word += _ENDS[rng.integers(len(_ENDS))]
+        elif rng.random() < 0.08:
+            word += ","
+        out.append(word)
+    return " ".join(out).replace(" \n\n ", "\n\n")
+
+
+@dataclass(frozen=True)
+class TokenCorpus:
+    """Token ids of one long text; prompts are windows cut at seeded offsets."""
+
+    token_ids: np.ndarray
+
+    def window(self, rng: np.random.Generator, length: int) -> list[int]:
+        if length > len(self.token_ids):
+            raise ValueError(f"window of {length} tokens exceeds the {len(self.token_ids)}-token corpus")
+        start = int(rng.integers(0, len(self.token_ids) - length + 1))
+        return self.token_ids[start : start + length].tolist()
+
+
+def default_corpus(model: str = "smollm2", num_words: int = 60_000) -> TokenCorpus:
+    """The synthetic corpus tokenized by `model`'s tokenizer (~70k tokens: room for 4k windows)."""
+    from transformers import AutoTokenizer
+
+    from kvloom.engine.model_loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    ids = tokenizer.encode(synthetic_text(num_words), add_special_tokens=False)
+    return TokenCorpus(np.asarray(ids, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    request_id: str
+    prompt: list[int] | str  # token ids (what the generators write) or text
+    max_tokens: int
+    arrival_s: float = 0.0  # seconds after the replay starts
+    tenant: str = "default"
+    priority: int = 0
+
+
+@dataclass
+class Workload:
+    name: str
+    requests: list[WorkloadRequest]
+    params: dict = field(default_factory=dict)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(r.max_tokens for r in self.requests)
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for r in self.requests:
+                f.write(json.dumps(asdict(r)) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: Path) -> "Workload":
+        requests = [WorkloadRequest(**json.loads(line)) for line in path.read_text().splitlines() if line]
+        return cls(path.stem, requests, {"path": str(path)})
+
+    def tokenized(self, encode: Callable[[str], list[int]]) -> "Workload":
+        """The same workload with every text prompt turned into ids (peers take ids only)."""
+        requests = [r if isinstance(r.prompt, list) else WorkloadRequest(**{**asdict(r), "prompt": encode(r.prompt)})
+                    for r in self.requests]
+        return Workload(self.name, requests, self.params)
+
+    def head(self, n: int) -> "Workload":
+        """The first `n` requests (a stated subset, for a system that cannot finish them all)."""
+        return Workload(self.name, self.requests[:n], {**self.params, "subset": n})
+
+
+# ---- distributions ------------------------------------------------------------------------------
+def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, lo: int, hi: int) -> np.ndarray:
+    """Lognormal lengths with the given mean before clipping (mu = ln(mean) - sigma^2 / 2)."""
+    mu = np.log(mean) - sigma**2 / 2
+    return np.clip(np.rint(rng.lognormal(mu, sigma, n)), lo, hi).astype(int)
+
+
+def poisson_arrivals(rng: np.random.Generator, n: int, rate: float) -> np.ndarray:
+    """Arrival times of a Poisson process (exponential gaps of mean 1/rate), first one at t=0."""
+    gaps = rng.exponential(1.0 / rate, n)
+    gaps[0] = 0.0
+    return np.cumsum(gaps)
+
+
+def _build(name: str, corpus: TokenCorpus, rng: np.random.Generator, prompt_lens, output_lens, arrivals,
+           prefix: list[int] = ()) -> list[WorkloadRequest]:
+    return [
+        WorkloadRequest(f"{name}-{i}", list(prefix) + corpus.window(rng, int(p)), int(o), round(float(t), 6))
+        for i, (p, o, t) in enumerate(zip(prompt_lens, output_lens, arrivals))
+    ]
+
+
+# ---- generators ---------------------------------------------------------------------------------
+def offline_mixed(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 64,
+                  prompt_len: tuple[int, int] = (16, 512), output_len: tuple[int, int] = (16, 256)):
+    """W1: everything at t=0, prompt and output lengths uniform (inclusive bounds)."""
+    prompts = rng.integers(prompt_len[0], prompt_len[1] + 1, num_requests)
+    outputs = rng.integers(output_len[0], output_len[1] + 1, num_requests)
+    return _build("w1", corpus, rng, prompts, outputs, np.zeros(num_requests))
+
+
+def chat(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 48, rate: float = 0.5,
+         prompt_mean: float = 250, output_mean: float = 200, sigma: float = 0.8):
+    """ShareGPT-like: lognormal prompt/output lengths (means ~250 / 200 tokens), Poisson arrivals."""
+    prompts = lognormal_lengths(rng, num_requests, prompt_mean, sigma, 4, 2048)
+    outputs = lognormal_lengths(rng, num_requests, output_mean, sigma, 4, 1024)
+    return _build("chat", corpus, rng, prompts, outputs, poisson_arrivals(rng, num_requests, rate))
+
+
+def long_prefill(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 40, num_long: int = 4,
+                 rate: float = 0.5, long_len: tuple[int, int] = (2048, 4096), long_output: int = 32,
+                 prompt_mean: float = 250, output_mean: float = 200, sigma: float = 0.8):
+    """A few 2-4k-token prompts among short chats: unchunked, each long prefill stalls every decode."""
+    prompts = lognormal_lengths(rng, num_requests, prompt_mean, sigma, 4, 1024)
+    outputs = lognormal_lengths(rng, num_requests, output_mean, sigma, 4, 512)
+    long_idx = rng.choice(np.arange(1, num_requests), size=num_long, replace=False)  # not first: decodes run
+    prompts[long_idx] = rng.integers(long_len[0], long_len[1] + 1, num_long)
+    outputs[long_idx] = long_output
+    return _build("long", corpus, rng, prompts, outputs, poisson_arrivals(rng, num_requests, rate))
+
+
+def shared_prefix(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 32,
+                  prefix_len: int = 1024, suffix_len: tuple[int, int] = (16, 128),
+                  output_len: tuple[int, int] = (16, 128)):
+    """One 1k-token system prompt shared by every request (at t=0), then a short own question."""
+    prefix = corpus.window(rng, prefix_len)
+    suffixes = rng.integers(suffix_len[0], suffix_len[1] + 1, num_requests)
+    outputs = rng.integers(output_len[0], output_len[1] + 1, num_requests)
+    return _build("shared", corpus, rng, suffixes, outputs, np.zeros(num_requests), prefix)
+
+
+GENERATORS: dict[str, Callable[..., list[WorkloadRequest]]] = {
+    "offline-mixed": offline_mixed,
+    "chat": chat,
+    "long-prefill": long_prefill,
+    "shared-prefix": shared_prefix,
+}
+
+
+def make_workload(name: str, corpus: TokenCorpus, seed: int = 0, **params) -> Workload:
+    """Generate workload `name`; the same (name, seed, params, corpus) always gives the same requests."""
+    try:
+        generator = GENERATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(GENERATORS)}") from None
+    rng = np.random.default_rng(seed)
+    return Workload(name, generator(corpus, rng, **params), {"seed": seed, **params})

@@ -1,0 +1,199 @@
+"""Benchmark lab: metrics from known timestamps, seeded workloads, replay on a tiny model, reports."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvloom.benchmarks.bench import compare_outputs
+from kvloom.benchmarks.harness import SystemResult, SystemSpec
+from kvloom.benchmarks.metrics import BatchCounters, LatencyStats, RequestRecord, RunMetrics, percentile, summarize
+from kvloom.benchmarks.sweep import parse_sweep, summarize_sweep
+from kvloom.benchmarks.workloads import TokenCorpus, Workload, make_workload, synthetic_text
+
+
+@pytest.fixture(scope="module")
+def corpus() -> TokenCorpus:
+    return TokenCorpus(np.arange(20_000, dtype=np.int64) % 4_000)
+
+
+def record(name: str, arrival: float, times: list[float], prompt: int = 10) -> RequestRecord:
+    return RequestRecord(name, prompt, list(range(len(times))), arrival, times[0], times[-1], token_times=times)
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+def test_percentiles_interpolate_linearly():
+    assert percentile([1, 2], 50) == 1.5
+    assert percentile(list(range(1, 101)), 99) == pytest.approx(99.01)
+    assert percentile([5.0], 90) == 5.0
+    stats = LatencyStats.of([4.0, 1.0, 3.0, 2.0])
+    assert (stats.mean, stats.p50, stats.p90) == (2.5, 2.5, pytest.approx(3.7))
+    assert LatencyStats.of([]) is None
+
+
+def test_request_latencies_from_timestamps():
+    r = record("a", arrival=10.0, times=[10.5, 10.7, 10.9, 11.5])
+    assert r.ttft == pytest.approx(0.5)
+    assert r.tpot == pytest.approx((11.5 - 10.5) / 3)
+    assert r.e2e == pytest.approx(1.5)
+    assert r.itls == pytest.approx([0.2, 0.2, 0.6])
+    single = record("b", arrival=0.0, times=[2.0])
+    assert single.tpot is None and single.itls == [] and single.e2e == 2.0
+
+
+def test_summarize_throughput_and_latency_distributions():
+    records = [record("a", 0.0, [1.0, 2.0, 3.0], prompt=100), record("b", 1.0, [4.0, 5.0], prompt=50)]
+    m = summarize("sys", records, wall_s=5.0)
+    assert (m.prompt_tokens, m.output_tokens) == (150, 5)
+    assert m.output_tok_s == pytest.approx(1.0)
+    assert m.total_tok_s == pytest.approx(31.0)
+    assert m.requests_s == pytest.approx(0.4)
+    assert m.ttft.p50 == pytest.approx(2.0)  # ttfts 1 and 3
+    assert m.tpot.mean == pytest.approx(1.0)
+    assert m.e2e.p99 == pytest.approx(3.99)  # e2es 3 and 4: rank 0.99 of the way from 3 to 4
+    assert m.itl.mean == pytest.approx(1.0)
+    assert RunMetrics.from_dict(json.loads(json.dumps(m.__dict__, default=lambda o: o.__dict__))) == m
+
+
+def test_batch_counters_ratios():
+    c = BatchCounters(num_steps=10, busy_slot_steps=30, idle_slot_steps=10, padding_tokens=25, num_prompt_tokens=75)
+    assert c.mean_batch_size == 3.0
+    assert c.idle_ratio == 0.25
+    assert c.padding_ratio == 0.25
+    empty = BatchCounters()
+    assert empty.mean_batch_size is None and empty.idle_ratio is None and empty.padding_ratio is None
+
+
+def test_output_comparison_reports_where_outputs_diverge():
+    def result(name: str, kind: str, outputs: dict) -> SystemResult:
+        return SystemResult(SystemSpec(name, kind), "ok", None, [], outputs, 0.0)
+
+    ref = result("continuous", "kvloom", {"a": [1, 2, 3], "b": [4, 5, 6]})
+    peer = result("hf-cb", "hf-cb", {"a": [1, 2, 3], "b": [4, 9, 6], "c": [0]})
+    report = compare_outputs([peer, ref])
+    assert report["hf-cb"]["reference"] == "continuous"
+    assert (report["hf-cb"]["compared"], report["hf-cb"]["equal"]) == (2, 1)
+    assert report["hf-cb"]["mismatches"] == [{"id": "b", "first_diff": 1, "length": 3}]
+
+
+# ---- workloads ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["offline-mixed", "chat", "long-prefill", "shared-prefix"])
+def test_workloads_are_seeded_and_reproducible(corpus, name):
+    a, b = make_workload(name, corpus, seed=3), make_workload(name, corpus, seed=3)
+    assert a.requests == b.requests
+    assert make_workload(name, corpus, seed=4).requests != a.requests
+
+
+def test_offline_mixed_matches_its_uniform_parameters(corpus):
+    w = make_workload("offline-mixed", corpus, num_requests=4000)
+    prompts = np.array([len(r.prompt) for r in w.requests])
+    outputs = np.array([r.max_tokens for r in w.requests])
+    assert prompts.min() >= 16 and prompts.max() <= 512 and outputs.min() >= 16 and outputs.max() <= 256
+    assert prompts.mean() == pytest.approx(264, rel=0.03)
+    assert outputs.mean() == pytest.approx(136, rel=0.03)
+    assert all(r.arrival_s == 0 for r in w.requests)
+    assert len(make_workload("offline-mixed", corpus).requests) == 64
+
+
+def test_chat_matches_its_lognormal_and_poisson_parameters(corpus):
+    w = make_workload("chat", corpus, num_requests=4000, rate=2.0)
+    prompts = np.array([len(r.prompt) for r in w.requests])
+    outputs = np.array([r.max_tokens for r in w.requests])
+    gaps = np.diff([r.arrival_s for r in w.requests])
+    assert prompts.mean() == pytest.approx(250, rel=0.05)
+    assert outputs.mean() == pytest.approx(200, rel=0.05)
+    assert np.median(prompts) < prompts.mean()  # right-skewed, like ShareGPT
+    assert gaps.min() >= 0 and gaps.mean() == pytest.approx(0.5, rel=0.05)
+    assert np.std(gaps) == pytest.approx(0.5, rel=0.1)  # exponential: std equals mean
+
+
+def test_long_prefill_and_shared_prefix_shapes(corpus):
+    long = make_workload("long-prefill", corpus, num_requests=30, num_long=3)
+    longs = [r for r in long.requests if len(r.prompt) >= 2048]
+    assert len(longs) == 3 and all(len(r.prompt) <= 4096 for r in longs)
+    assert long.requests[0] not in longs
+    shared = make_workload("shared-prefix", corpus, num_requests=8)
+    prefix = shared.requests[0].prompt[:1024]
+    assert all(r.prompt[:1024] == prefix and 16 <= len(r.prompt) - 1024 <= 128 for r in shared.requests)
+
+
+def test_workload_jsonl_round_trip(tmp_path, corpus):
+    w = make_workload("chat", corpus, num_requests=5, rate=1.0)
+    loaded = Workload.load(w.save(tmp_path / "chat.jsonl"))
+    assert loaded.requests == w.requests
+    text = Workload("t", [w.requests[0].__class__("x", "hello world", 4)])
+    assert text.tokenized(lambda s: [len(s)]).requests[0].prompt == [11]
+
+
+def test_synthetic_corpus_is_deterministic_prose():
+    text = synthetic_text(500)
+    assert text == synthetic_text(500) and text != synthetic_text(500, seed=1)
+    assert text.count(".") + text.count("?") + text.count("!") > 10 and len(text.split()) == 500
+
+
+# ---- sweep --------------------------------------------------------------------------------------
+def test_sweep_parsing_and_best_setting_under_budget():
+    assert parse_sweep("max_num_seqs=1,4,16") == ("max_num_seqs", [1, 4, 16])
+    with pytest.raises(ValueError):
+        parse_sweep("dtype=1,2")
+
+    def result(value: int, tok_s: float, tpot: float) -> dict:
+        m = {"output_tok_s": tok_s, "tpot": {"p99": tpot}, "ttft": {"p99": 1.0}, "mean_batch_size": value}
+        return {"spec": {"name": f"max_num_seqs={value}"}, "metrics": m}
+
+    run = {"label": "x", "results": [result(1, 10, 0.05), result(4, 30, 0.1), result(16, 50, 0.3)]}
+    sweep = summarize_sweep(run, "max_num_seqs", [1, 4, 16], tpot_budget_s=0.2)
+    assert sweep["best"]["value"] == 4
+    assert summarize_sweep(run, "max_num_seqs", [1, 4, 16], tpot_budget_s=0.01)["best"] is None
+
+
+# ---- replay on a tiny model ---------------------------------------------------------------------
+def test_replay_honours_arrivals_and_forces_output_lengths(tiny_model_dir):
+    from kvloom.benchmarks.replay import replay, strategy_config, warm_up
+    from kvloom.benchmarks.workloads import WorkloadRequest
+    from kvloom.engine.llm_engine import LLMEngine
+
+    requests = [WorkloadRequest("a", [5] * 12, 6), WorkloadRequest("b", [7] * 30, 3, arrival_s=0.3),
+                WorkloadRequest("c", [9] * 20, 1, arrival_s=0.3)]
+    workload = Workload("tiny", requests)
+    engine = LLMEngine(strategy_config("continuous", workload, model=str(tiny_model_dir), block_size=4,
+                                       max_num_batched_tokens=64, max_model_len=64))
+    warm_up(engine)
+    result = replay(engine, workload)
+    by_id = {r.request_id: r for r in result.records}
+    assert [by_id[k].num_output_tokens for k in "abc"] == [6, 3, 1]
+    t0 = by_id["a"].arrival
+    assert by_id["b"].arrival == pytest.approx(t0 + 0.3) and by_id["b"].first_token >= t0 + 0.3
+    assert all(len(r.token_times) == r.num_output_tokens and r.ttft >= 0 for r in result.records)
+    assert result.wall_s >= 0.3 and result.counters.num_steps == len(result.steps)
+    assert result.counters.idle_slot_steps == 0 and 0 < result.forward_fraction <= 1
+
+
+# ---- report -------------------------------------------------------------------------------------
+def test_report_renders_tables_and_plots(tmp_path):
+    from dataclasses import asdict
+
+    from kvloom.benchmarks.report import write_bench_report
+
+    records = [record("a", 0.0, [1.0, 1.5, 2.0]), record("b", 0.0, [1.2, 2.2])]
+    runs = []
+    for rate in (0.5, 1.0):
+        results = [{"spec": asdict(SystemSpec(name, "kvloom")), "status": "ok",
+                    "metrics": asdict(summarize(name, records, 2.0 * rate)),
+                    "requests": [{"id": r.request_id, "prompt": 10, "output": 2, "ttft": r.ttft, "tpot": r.tpot,
+                                  "e2e": r.e2e} for r in records], "outputs": {}, "elapsed_s": 1.0}
+                   for name in ("continuous", "static")]
+        runs.append({"label": f"chat @ {rate}", "workload": "chat", "params": {"rate": rate}, "num_requests": 2,
+                     "output_tokens": 5, "results": results,
+                     "equality": {"static": {"reference": "continuous", "compared": 2, "equal": 1,
+                                             "mismatches": [{"id": "b", "first_diff": 1, "length": 2}]}}})
+    env = {"host": "h", "cpus": 2, "torch": "t", "transformers": "x", "threads": 2, "omp_wait_policy": "PASSIVE",
+           "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30,
+                        "enable_prefix_caching": True, "timeout_s": 600, "hf_cb_attention": "sdpa"}}
+    md = write_bench_report({"title": "chat", "environment": env, "runs": runs, "roofline_system": "continuous"},
+                            tmp_path).read_text()
+    assert "| continuous | ok | 2 |" in md and "1 of 2 outputs differ" in md and "b at token 1/2" in md
+    assert {p.name for p in tmp_path.glob("*.png")} == {
+        "bench-0-throughput.png", "bench-0-latency.png", "bench-1-throughput.png", "bench-1-latency.png",
+        "bench-rates.png"}
+    assert json.loads((tmp_path / "bench.json").read_text())["title"] == "chat"
