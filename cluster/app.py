@@ -5,9 +5,12 @@ use it directly: `serve run kvloom.cluster.app:app_builder config=configs/local-
 
 Tenants, admin keys and the queue policy travel as the Router's `user_config` (keys already
 hashed), so a Serve config deploy that changes only them reloads the router in place.
-When the router policy ranks priority, replicas run the engine's priority scheduler (unless
-the config sets one) and accept the router's preemption headroom.
+When the router policy relies on engine preemption (priority classes, fair-share preemption),
+replicas run the engine's priority scheduler (unless the config sets one) and accept the
+router's preemption headroom.
 """
+
+import time
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -41,11 +44,11 @@ def build_app(config: ClusterConfig) -> serve.Application:
     )
     resources = config.resources
     credit = config.engine.max_num_seqs + config.router.replica_slack
-    ranks_priority = config.router.ranks_priority
+    preempts = config.router.engine_preempts
     replicas = serve.deployment(EngineReplica).options(
         name=REPLICA_NAME,
         ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
-        max_ongoing_requests=credit * (PREEMPTION_HEADROOM if ranks_priority else 1),
+        max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
         request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
         health_check_period_s=2,
         health_check_timeout_s=30,
@@ -63,9 +66,24 @@ def build_app(config: ClusterConfig) -> serve.Application:
         **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)
-    if ranks_priority:
+    if preempts:
         engine.setdefault("scheduling_policy", "priority")
     return router.bind(replicas.bind(engine, router_name=ROUTER_NAME, torch_threads=resources.torch_threads), settings)
+
+
+def deploy(config: ClusterConfig, app_name: str | None = None, timeout_s: float = 300):
+    """Deploy on the connected Ray cluster (Serve already started) and wait until the router sees
+    every replica; returns the router's handle."""
+    app_name = app_name or config.name
+    serve.run(build_app(config), name=app_name, route_prefix="/")
+    router = serve.get_deployment_handle(ROUTER_NAME, app_name)
+    wanted = config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
+    deadline = time.monotonic() + timeout_s
+    while len(router.replica_stats.remote().result()) < wanted:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{wanted} replica(s) did not report within {timeout_s} s")
+        time.sleep(0.25)
+    return router
 
 
 def app_builder(args: dict) -> serve.Application:

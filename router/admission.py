@@ -1,8 +1,9 @@
 """The router's admission queue: requests wait here, in policy order, until a replica has credit.
 
 The policy decides the order; this queue owns the mechanics around it: credit, retries (which
-skip the line), the tenant's max queue wait, cancellation, and the VTC counters that fair
-policies read (kept for every policy, so switching policy on reload keeps service history).
+skip the line), the tenant's max queue wait, cancellation, fair-share preemption (see
+replica_table), and the VTC counters that fair policies read (kept for every policy, so
+switching policy on reload keeps service history).
 """
 
 import asyncio
@@ -25,6 +26,7 @@ class AdmissionQueue:
         self.max_queued = max_queued
         self.policy = FCFS() if policy is None else policy  # (an empty policy is falsy)
         self.counters = VirtualCounters() if counters is None else counters
+        self.fair_share_preemption = False
         self._retries: deque[Ticket] = deque()
 
     def __len__(self) -> int:
@@ -68,7 +70,11 @@ class AdmissionQueue:
                 expiry.cancel()
 
     def release(self, replica: ReplicaState, ticket: Ticket | None = None) -> None:
-        self.table.give_back(replica, ticket.credit_class if ticket else 0)
+        if ticket is None:
+            self.table.give_back(replica)
+        else:
+            self.table.give_back(replica, ticket.credit_class, ticket.tenant)
+            self.counters.finished(ticket.tenant)
         self.pump()
 
     def charge(self, ticket: Ticket, output_tokens: int) -> None:
@@ -103,10 +109,14 @@ class AdmissionQueue:
                 continue
             credit_class = ticket.priority if self.policy.ranks_priority else 0
             replica = self.table.choose(ticket.prompt_hashes, credit_class)
+            ticket.preempts = replica is None and self.fair_share_preemption
+            if ticket.preempts:
+                replica = self.table.below_share(ticket.tenant, ticket.weight)
             if replica is None:
                 return
             self._unqueue(ticket)
-            self.table.take(replica, ticket.prompt_hashes, credit_class)
+            self.table.take(replica, ticket.prompt_hashes, credit_class, ticket.tenant, ticket.weight)
+            self.counters.started(ticket.tenant)
             ticket.credit_class = credit_class
             if not ticket.dispatched:
                 ticket.dispatched = True

@@ -73,7 +73,8 @@ class Dispatcher:
                 self.metrics.queue_time.labels(job.tenant.name).observe(time.monotonic() - job.arrival)
             streamed = False
             finished = False
-            response = self.handle.options(stream=True).generate.remote(job.payload, target_replica=replica.replica_id)
+            payload = {**job.payload, "priority": ticket.engine_priority}
+            response = self.handle.options(stream=True).generate.remote(payload, target_replica=replica.replica_id)
             try:
                 async for chunk in self._observed(job, ticket, response):
                     streamed = streamed or bool(chunk.get("token_ids"))

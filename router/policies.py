@@ -30,10 +30,21 @@ class PolicyConfig(BaseModel):
         50.0, ge=0, description="sjf: each second of waiting takes this many tokens off a job's estimated size")
     vtc_input_weight: float = Field(1.0, ge=0, description="fair: weight of a prompt token")
     vtc_output_weight: float = Field(2.0, ge=0, description="fair: weight of a generated token")
+    fair_share_preemption: bool = Field(
+        True, description="fair: a tenant below its weighted share of a full replica's slots may preempt one over it")
 
     @property
     def ranks_priority(self) -> bool:
         return self.policy.startswith("priority")
+
+    @property
+    def preempts_for_share(self) -> bool:
+        return self.fair_share_preemption and self.policy.endswith("fair")
+
+    @property
+    def engine_preempts(self) -> bool:
+        """Whether replicas must run the engine's priority scheduler for this policy to work."""
+        return self.ranks_priority or self.preempts_for_share
 
 
 class QueuePolicy(Protocol):
@@ -82,7 +93,8 @@ class ShortestJobFirst(_TicketList):
 
 
 class FairShare:
-    """VTC: the backlogged tenant with the lowest virtual counter goes next; FCFS within a tenant."""
+    """VTC: the backlogged tenant with the lowest virtual counter goes next (ties: fewer in flight,
+    then the older head); FCFS within a tenant."""
 
     ranks_priority = False
 
@@ -94,7 +106,7 @@ class FairShare:
         self._queues.setdefault(ticket.tenant, deque()).append(ticket)
 
     def peek(self, now: float) -> Ticket:
-        tenant = min(self._queues, key=lambda name: (self.counters.value(name), self._queues[name][0].arrival))
+        tenant = min(self._queues, key=lambda name: (*self.counters.rank(name), self._queues[name][0].arrival))
         return self._queues[tenant][0]
 
     def remove(self, ticket: Ticket) -> None:

@@ -2,20 +2,26 @@
 
 Replicas push stats every fraction of a second; one that stops reporting is dropped. Each has
 credit = its max_num_seqs plus a small slack: the router never sends more than that, so
-requests queue (and get ordered) in the router instead of in replica mailboxes. Credit is counted
-per priority class: requests of a lower class (higher value) do not use up a better class's
-credit, because the engine preempts them for it; so a replica may hold up to twice its credit when
-classes mix (the preemption headroom), and a high-priority request never waits in the router
-behind a batch of lower ones. A request goes
-to the replica holding the longest cached prefix of its prompt, unless that replica is busier
-than the least loaded one by more than `imbalance_threshold`; otherwise to the least loaded.
+requests queue (and get ordered) in the router instead of in replica mailboxes.
+
+Two exceptions let a request past a full replica, both resolved by the engine's priority
+preemption, and both capped at PREEMPTION_HEADROOM x credit in flight:
+- credit is counted per priority class: lower classes do not use up a better class's credit, so
+  a high-priority request never waits in the router behind a batch of lower ones;
+- fair-share preemption: a tenant holding fewer of the replica's slots than its weighted share
+  (among the tenants in flight there) while another holds more may go in, so a light tenant
+  does not wait for a flooder's request to finish.
+
+A request goes to the replica holding the longest cached prefix of its prompt, unless that
+replica is busier than the least loaded one by more than `imbalance_threshold`; otherwise to the
+least loaded.
 """
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when classes mix
+PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
 
 
 @dataclass
@@ -27,15 +33,27 @@ class ReplicaState:
     dispatched: int = 0
     cached: set[int] = field(default_factory=set)
     classes: Counter = field(default_factory=Counter)  # in-flight requests per priority class
+    tenants: Counter = field(default_factory=Counter)  # in-flight requests per tenant
+    weights: dict[str, float] = field(default_factory=dict)  # of the tenants in flight
 
     def capacity(self, slack: int) -> int:
         return int(self.stats.get("max_num_seqs", 1)) + slack
 
+    def has_headroom(self, slack: int) -> bool:
+        return self.inflight < PREEMPTION_HEADROOM * self.capacity(slack)
+
     def has_room(self, slack: int, priority: int) -> bool:
         """Credit left for a request of this class: only classes at least as good count against it."""
-        credit = self.capacity(slack)
         as_good = sum(n for p, n in self.classes.items() if p <= priority)
-        return as_good < credit and self.inflight < PREEMPTION_HEADROOM * credit
+        return as_good < self.capacity(slack) and self.has_headroom(slack)
+
+    def below_share(self, slack: int, tenant: str, weight: float) -> bool:
+        """One more request keeps `tenant` within its weighted share of the slots, and someone is over theirs."""
+        weights = {**self.weights, tenant: weight}
+        unit = self.capacity(slack) / sum(weights.values())
+        within = self.tenants[tenant] + 1 <= unit * weight
+        someone_over = any(n > unit * weights[t] for t, n in self.tenants.items() if t != tenant)
+        return within and someone_over and self.has_headroom(slack)
 
     @property
     def load(self) -> int:
@@ -91,14 +109,25 @@ class ReplicaTable:
     def max_model_len(self) -> int:
         return max((int(r.stats.get("max_model_len", 0)) for r in self.live()), default=0)
 
-    def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0) -> None:
+    def below_share(self, tenant: str, weight: float) -> ReplicaState | None:
+        """The least loaded replica where `tenant` may preempt for its fair share of slots, if any."""
+        candidates = [r for r in self.live() if r.below_share(self.slack, tenant, weight)]
+        return min(candidates, key=lambda r: r.load, default=None)
+
+    def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0, tenant: str = "default",
+             weight: float = 1.0) -> None:
         replica.inflight += 1
         replica.dispatched += 1
         replica.classes[priority] += 1
+        replica.tenants[tenant] += 1
+        replica.weights[tenant] = weight
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
 
-    def give_back(self, replica: ReplicaState, priority: int = 0) -> None:
+    def give_back(self, replica: ReplicaState, priority: int = 0, tenant: str = "default") -> None:
         replica.inflight = max(0, replica.inflight - 1)
-        replica.classes[priority] = max(0, replica.classes[priority] - 1)
-        if not replica.classes[priority]:
-            del replica.classes[priority]
+        for counter, key in ((replica.classes, priority), (replica.tenants, tenant)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+        if tenant not in replica.tenants:
+            replica.weights.pop(tenant, None)

@@ -84,6 +84,7 @@ class Router:
         self.tenants.reconfigure(settings.tenants, settings.admin_keys)
         self.counters.input_weight = settings.vtc_input_weight
         self.counters.output_weight = settings.vtc_output_weight
+        self.admission.fair_share_preemption = settings.preempts_for_share
         self.admission.set_policy(make_policy(settings, self.counters))
         self.tenancy = settings
 

@@ -251,6 +251,46 @@ async def test_high_priority_gets_credit_beyond_a_full_lower_class():
     await asyncio.wait_for(blocked, 1)
 
 
+@pytest.mark.parametrize("weights, b_share", [((1.0, 1.0), 2), ((3.0, 1.0), 1), ((1.0, 3.0), 3)])
+async def test_a_tenant_below_its_share_of_a_full_replica_goes_in_to_preempt(weights, b_share):
+    table = ReplicaTable(slack=0)
+    table.report(replica_stats(4))
+    counters = VirtualCounters()
+    queue = AdmissionQueue(table, 100, make_policy(PolicyConfig(policy="fair"), counters), counters)
+    queue.fair_share_preemption = True
+    flood = [Ticket(f"a{i}", [], "A", weight=weights[0], prompt_tokens=10, arrival=float(i)) for i in range(8)]
+    tasks = [asyncio.create_task(queue.acquire(t)) for t in flood]
+    await asyncio.sleep(0)
+    assert table.replicas["r"].inflight == 4 and not any(t.preempts for t in flood[:4])
+    light = [Ticket(f"b{i}", [], "B", weight=weights[1], prompt_tokens=10, arrival=10.0 + i) for i in range(2)]
+    tasks += [asyncio.create_task(queue.acquire(t)) for t in light]
+    await asyncio.sleep(0)  # b0 is lifted to A's counter and wins the tie (nothing of B's in flight)
+    assert light[0].future.done() and light[0].preempts and light[0].engine_priority < flood[0].engine_priority
+    assert not light[1].future.done()  # VTC order still rules: A is behind in service now
+    queue.release(table.replicas["r"], flood[0])  # b0 took that slot: still full
+    assert not flood[4].future.done()
+    queue.release(table.replicas["r"], flood[1])  # A's next goes in normally, then B's turn again
+    assert flood[4].future.done() and not flood[4].preempts
+    assert light[1].future.done() == (b_share >= 2)  # only while B stays within its share of the 4 slots
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_no_fair_share_preemption_when_nobody_is_over_their_share():
+    table = ReplicaTable(slack=0)
+    table.report(replica_stats(2))
+    counters = VirtualCounters()
+    queue = AdmissionQueue(table, 100, make_policy(PolicyConfig(policy="fair"), counters), counters)
+    queue.fair_share_preemption = True
+    held = [await queue.acquire(Ticket(name, [], name)) for name in ("A", "B")]
+    ticket_c = Ticket("C", [], "C")
+    third = asyncio.create_task(queue.acquire(ticket_c))
+    await asyncio.sleep(0)
+    assert not ticket_c.future.done() and len(held) == 2
+    third.cancel()
+
+
 async def test_queue_wait_over_the_tenant_limit_is_503_naming_the_quota():
     table = ReplicaTable(slack=0)  # no replicas: everything waits
     queue = AdmissionQueue(table, 10)
@@ -405,3 +445,5 @@ def test_build_app_ships_only_key_digests_and_priority_engines():
     assert user_config["tenants"][0]["api_keys"] == [key_digest("sk-secret")]
     replicas = build_app(config)._bound_deployment.init_args[0]
     assert replicas._bound_deployment.init_args[0]["scheduling_policy"] == "priority"
+    fcfs = build_app(config.model_copy(update={"router": config.router.model_copy(update={"policy": "fcfs"})}))
+    assert "scheduling_policy" not in fcfs._bound_deployment.init_args[0]._bound_deployment.init_args[0]
