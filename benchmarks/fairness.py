@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import socket
 import sys
@@ -308,13 +309,14 @@ def write_report(results: dict, out_dir: Path) -> None:
         "",
         "## TTFT per tenant",
         "",
-        "| phase | tenant | sent | served | TTFT p50 | TTFT p99 | engine preemptions |",
-        "|---|---|---|---|---|---|---|",
+        "| phase | tenant | sent | served | TTFT p50 | TTFT p99 | engine preemptions | host load avg |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name, phase in ph.items():
+        load = "{:.1f} -> {:.1f}".format(*phase["load_avg"])
         for tenant, s in phase["ttft"].items():
             lines.append(f"| {titles[name]} | {tenant} | {s['sent']} | {s['served']} | {fmt(s['ttft_p50_s'])} | "
-                         f"{fmt(s['ttft_p99_s'])} | {phase['engine_preemptions']} |")
+                         f"{fmt(s['ttft_p99_s'])} | {phase['engine_preemptions']} | {load} |")
     lines += [
         "",
         "\"served\" = got a first token; a flooder's requests still queued when its flood was cancelled are not. "
@@ -388,6 +390,7 @@ async def benchmark(base: str, router, params: Params) -> dict:
         phase_rates = {t: rates["A"] if t in phase.floods else rates["B"] for t in phase.tenants}
         print(f"[fairness] {phase.title}: " + ", ".join(f"{t} {r:.2f} req/s" for t, r in phase_rates.items()), flush=True)
         preempted = await preemptions(router)
+        load = os.getloadavg()[0]
         t0 = time.monotonic()
         records = await run_phase(base, phase_rates, {t: t in phase.floods for t in phase.tenants}, params, rng)
         await wait_idle(router)
@@ -396,6 +399,7 @@ async def benchmark(base: str, router, params: Params) -> dict:
             "service": service_in_windows(records, phase.weights),
             "throughput": throughput_series(records, t0, params.phase_s + 10, bin_s),
             "engine_preemptions": await preemptions(router) - preempted,
+            "load_avg": [load, os.getloadavg()[0]],  # 1-min load average before and after: other work on the host
         }
     b_alone = results["alone"]["ttft"]["B"]["ttft_p99_s"]
     raw = results["weighted"]["service"]["raw_service"]
@@ -455,7 +459,6 @@ def main(argv: list[str] | None = None) -> int:
     params = Params(phase_s=args.phase_s, max_num_seqs=args.max_num_seqs, output_tokens=args.output_tokens,
                     prompt_tokens=args.prompt_tokens)
 
-    import os
     import platform
 
     import ray

@@ -161,6 +161,7 @@ class TenantRegistry:
         self.tenants: dict[str, Tenant] = {}
         self.ledger: dict[str, Tenant] = {}  # every tenant ever served, for usage; outlives reloads
         self.anonymous = Tenant.anonymous(clock())
+        self.ledger[ANONYMOUS] = self.anonymous
         self.reconfigure(tenants, admin_keys)
 
     def reconfigure(self, tenants: list[TenantConfig], admin_keys: list[str]) -> None:
@@ -178,8 +179,6 @@ class TenantRegistry:
         self.tenants = current
         self.keys = KeyStore.build((key, t.name) for t in tenants for key in t.api_keys)
         self.admins = KeyStore.build((key, "admin") for key in admin_keys)
-        if not tenants:
-            self.ledger.setdefault(ANONYMOUS, self.anonymous)
 
     @property
     def open(self) -> bool:
@@ -206,4 +205,7 @@ class TenantRegistry:
             raise APIError(401, "this endpoint needs an admin API key (admin_keys)", None, "invalid_admin_key")
 
     def usage(self) -> dict[str, dict]:
-        return {name: tenant.usage.as_dict() for name, tenant in sorted(self.ledger.items())}
+        """Current tenants (the anonymous one when open), and past ones that used anything."""
+        current = self.tenants or {ANONYMOUS: self.anonymous}
+        shown = {name: t for name, t in self.ledger.items() if name in current or t.usage != Usage()}
+        return {name: tenant.usage.as_dict() for name, tenant in sorted(shown.items())}

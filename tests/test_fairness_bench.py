@@ -42,7 +42,8 @@ def test_report_files(tmp_path):
     params = Params(phase_s=4)
     ttft = {"sent": 3, "served": 3, "ttft_p50_s": 0.2, "ttft_p99_s": 0.3}
     phase = {"ttft": {"A": ttft, "B": ttft}, "service": {"max_gap": 10.0, "raw_service": {"A": 20.0, "B": 10.0}},
-             "throughput": {"A": [1.0, 2.0], "B": [0.5, 0.5]}, "engine_preemptions": 1}
+             "throughput": {"A": [1.0, 2.0], "B": [0.5, 0.5]}, "engine_preemptions": 1,
+             "load_avg": [1.0, 1.5]}
     results = {"params": fairness.asdict(params), "capacity_rps": 2.0, "rates": {"A": 10.0, "B": 0.5}, "bin_s": 2.0,
                "phases": {p.name: phase for p in fairness.phases()},
                "goals": {"b_p99_ratio": {"fcfs": 9.0, "fair_no_preemption": 3.0, "fair": 1.2}, "vtc_bound": 128,

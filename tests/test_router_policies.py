@@ -8,6 +8,7 @@ fake replica that produces one token per running request per tick.
 import asyncio
 import pickle
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -412,7 +413,9 @@ def test_reload_keeps_usage_and_quota_state_and_revokes_removed_keys():
     assert again is alice and again.weight == 5 and again.usage.completion_tokens == 42
     with pytest.raises(APIError):
         registry.authenticate("Bearer sk-bob")
-    assert set(registry.usage()) == {"alice", "bob"}  # bob's past usage is still reported
+    assert set(registry.usage()) == {"alice"}  # bob is gone and had used nothing
+    registry.reconfigure([], [])
+    assert set(registry.usage()) == {"alice", "default"}  # alice's past usage is still reported
 
 
 @pytest.mark.parametrize("tenants_yaml, message", [
@@ -433,6 +436,15 @@ def test_tenant_config_errors_name_the_key(tmp_path, tenants_yaml, message):
     with pytest.raises(ClusterConfigError) as err:
         load_cluster_config(path)
     assert message in str(err.value)
+
+
+def test_ready_multi_tenant_config_loads():
+    from kvloom.cluster.app import build_app
+    from kvloom.cluster.config import load_cluster_config
+
+    config = load_cluster_config(Path(__file__).parent.parent / "configs" / "multi-tenant.yaml")
+    assert [t.name for t in config.tenants] == ["interactive", "batch"] and config.router.policy == "priority+fair"
+    build_app(config)
 
 
 def test_build_app_ships_only_key_digests_and_priority_engines():
