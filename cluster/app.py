@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
+from kvloom.replicas.disagg import DecodeReplica, PrefillReplica
 from kvloom.replicas.engine_replica import EngineReplica
 from kvloom.router.policies import PolicyConfig
 from kvloom.router.replica_table import PREEMPTION_HEADROOM
@@ -25,6 +26,8 @@ from kvloom.router.tenants import key_digest
 
 ROUTER_NAME = "Router"
 REPLICA_NAME = "EngineReplica"
+PREFILL_NAME = "PrefillReplica"
+DECODE_NAME = "DecodeReplica"
 
 
 def tenancy_user_config(config: ClusterConfig) -> dict:
@@ -45,16 +48,19 @@ def build_app(config: ClusterConfig) -> serve.Application:
     resources = config.resources
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
-    replicas = serve.deployment(EngineReplica).options(
-        name=REPLICA_NAME,
-        ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
-        max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
-        request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
-        health_check_period_s=2,
-        health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=5,
-        **scaling,
-    )
+
+    def replica_deployment(cls, name: str, replica_scaling: dict):
+        return serve.deployment(cls).options(
+            name=name,
+            ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
+            max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
+            request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
+            health_check_period_s=2,
+            health_check_timeout_s=30,
+            graceful_shutdown_timeout_s=5,
+            **replica_scaling,
+        )
+
     router = serve.deployment(Router).options(
         name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
         user_config=tenancy_user_config(config),
@@ -68,7 +74,21 @@ def build_app(config: ClusterConfig) -> serve.Application:
     engine = config.engine.model_dump(exclude_unset=True)
     if preempts:
         engine.setdefault("scheduling_policy", "priority")
-    return router.bind(replicas.bind(engine, router_name=ROUTER_NAME, torch_threads=resources.torch_threads), settings)
+    replica_args = {"router_name": ROUTER_NAME, "torch_threads": resources.torch_threads}
+    disagg = config.disaggregation
+    if disagg.enabled:
+        settings["disagg_transport"] = disagg.transport
+        prefill = replica_deployment(PrefillReplica, PREFILL_NAME, {"num_replicas": disagg.prefill_replicas})
+        decode = replica_deployment(DecodeReplica, DECODE_NAME, {"num_replicas": disagg.decode_replicas})
+        return router.bind(prefill.bind(engine, **replica_args), settings, decode.bind(engine, **replica_args))
+    replicas = replica_deployment(EngineReplica, REPLICA_NAME, scaling)
+    return router.bind(replicas.bind(engine, **replica_args), settings)
+
+
+def expected_replicas(config: ClusterConfig) -> int:
+    if config.disaggregation.enabled:
+        return config.disaggregation.prefill_replicas + config.disaggregation.decode_replicas
+    return config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
 
 
 def deploy(config: ClusterConfig, app_name: str | None = None, timeout_s: float = 300):
@@ -77,7 +97,7 @@ def deploy(config: ClusterConfig, app_name: str | None = None, timeout_s: float 
     app_name = app_name or config.name
     serve.run(build_app(config), name=app_name, route_prefix="/")
     router = serve.get_deployment_handle(ROUTER_NAME, app_name)
-    wanted = config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
+    wanted = expected_replicas(config)
     deadline = time.monotonic() + timeout_s
     while len(router.replica_stats.remote().result()) < wanted:
         if time.monotonic() > deadline:

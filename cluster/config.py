@@ -2,7 +2,7 @@
 tenants)."""
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -31,6 +31,15 @@ class RouterConfig(PolicyConfig, Strict):
     max_retries: int = Field(2, ge=0)
 
 
+class DisaggregationConfig(Strict):
+    """Prefill and decode on separate replicas, handing KV blocks over a transport."""
+
+    enabled: bool = False
+    prefill_replicas: int = Field(1, ge=1)
+    decode_replicas: int = Field(1, ge=1)
+    transport: Literal["torch_distributed", "object_store"] = "torch_distributed"
+
+
 class HTTPConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -45,6 +54,7 @@ class ClusterConfig(Strict):
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     router: RouterConfig = Field(default_factory=RouterConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
+    disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     tenants: list[TenantConfig] = Field(default_factory=list, description="none: one anonymous tenant, no keys")
     admin_keys: list[str] = Field(default_factory=list, description="keys for admin endpoints (GET /v1/usage)")
 

@@ -37,9 +37,19 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
 
 
-class Dispatcher:
-    def __init__(self, replicas_handle, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2) -> None:
+class ColocatedStreams:
+    """One replica runs the whole request (the default; see router/disagg.py for the other way)."""
+
+    def __init__(self, replicas_handle) -> None:
         self.handle = replicas_handle
+
+    def open(self, payload: dict, replica_id: str):
+        return self.handle.options(stream=True).generate.remote(payload, target_replica=replica_id)
+
+
+class Dispatcher:
+    def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2) -> None:
+        self.streams = streams  # ColocatedStreams or DisaggStreams: `open(payload, replica_id)`
         self.admission = admission
         self.metrics = metrics
         self.max_retries = max_retries
@@ -74,7 +84,7 @@ class Dispatcher:
             streamed = False
             finished = False
             payload = {**job.payload, "priority": ticket.engine_priority}
-            response = self.handle.options(stream=True).generate.remote(payload, target_replica=replica.replica_id)
+            response = self.streams.open(payload, replica.replica_id)
             try:
                 async for chunk in self._observed(job, ticket, response):
                     streamed = streamed or bool(chunk.get("token_ids"))

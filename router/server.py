@@ -21,7 +21,8 @@ from ray import serve
 
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.router.admission import AdmissionQueue
-from kvloom.router.dispatcher import Dispatcher, Job
+from kvloom.router.disagg import DisaggStreams
+from kvloom.router.dispatcher import ColocatedStreams, Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
@@ -41,6 +42,7 @@ class RouterSettings(BaseModel):
     replica_slack: int = 4
     imbalance_threshold: int = 8
     max_retries: int = 2
+    disagg_transport: str | None = None  # set: prefill/decode replicas hand KV over this transport
 
 
 class TenancySettings(PolicyConfig):
@@ -59,7 +61,8 @@ def _sse(data: dict | str) -> str:
 
 @serve.ingress(api)
 class Router:
-    def __init__(self, replicas_handle, settings: dict) -> None:
+    def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
+        """`replicas_handle` runs requests (prefill replicas when `decode_handle` is given)."""
         from transformers import AutoTokenizer
 
         from kvloom.engine.model_loader import resolve_model_dir
@@ -71,7 +74,10 @@ class Router:
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)
         self.tenants = TenantRegistry()
         self.metrics = RouterMetrics(self.table)
-        self.dispatcher = Dispatcher(replicas_handle, self.admission, self.metrics, self.settings.max_retries)
+        self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
+        streams = (DisaggStreams(replicas_handle, decode_handle, self.decode_table, self.settings.disagg_transport)
+                   if decode_handle is not None else ColocatedStreams(replicas_handle))
+        self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries)
         self.created = int(time.time())
         self._apply(TenancySettings())
 
@@ -90,12 +96,12 @@ class Router:
 
     # ---- called by replicas -----------------------------------------------------------------
     async def report_replica_stats(self, stats: dict) -> None:
-        self.table.report(stats)
+        (self.decode_table if stats.get("role") == "decode" else self.table).report(stats)
         self.admission.pump()
 
     async def replica_stats(self) -> list[dict]:
         return [dict(r.stats, inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
-                for r in self.table.live()]
+                for table in (self.table, self.decode_table) for r in table.live()]
 
     # ---- helpers ----------------------------------------------------------------------------
     def _check_model(self, model: str) -> None:

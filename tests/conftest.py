@@ -116,19 +116,15 @@ def ray_serve():
     ray.shutdown()
 
 
-def deploy(config, app_name: str = "kvloom", timeout_s: float = 120):
-    """Deploy a ClusterConfig and wait until the router sees every replica."""
+def deploy(config, app_name: str = "kvloom", timeout_s: float = 180):
+    """Deploy a ClusterConfig and wait until the router sees exactly its replicas (also when scaling down)."""
     import time
 
-    from ray import serve
+    from kvloom.cluster import app
 
-    from kvloom.cluster.app import ROUTER_NAME, build_app
-
-    serve.run(build_app(config), name=app_name, route_prefix="/")
-    router = serve.get_deployment_handle(ROUTER_NAME, app_name)
-    wanted = config.num_replicas or 1
+    router = app.deploy(config, app_name, timeout_s)
     deadline = time.monotonic() + timeout_s
-    while len(router.replica_stats.remote().result()) != wanted:
+    while len(router.replica_stats.remote().result()) != app.expected_replicas(config):
         assert time.monotonic() < deadline, "replicas did not report in time"
         time.sleep(0.25)
     return router

@@ -11,7 +11,7 @@ import ray.exceptions
 
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.router.admission import AdmissionQueue, Ticket
-from kvloom.router.dispatcher import Dispatcher, Job
+from kvloom.router.dispatcher import ColocatedStreams, Dispatcher, Job
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.replica_table import ReplicaTable
@@ -130,7 +130,7 @@ def make_dispatcher(scripts):
     for name in scripts:
         table.report(stats(name, max_num_seqs=1))
     handle = ScriptedHandle(scripts)
-    return Dispatcher(handle, AdmissionQueue(table, 10), RouterMetrics(table)), handle, table
+    return Dispatcher(ColocatedStreams(handle), AdmissionQueue(table, 10), RouterMetrics(table)), handle, table
 
 
 async def test_request_that_streamed_nothing_is_retried_on_another_replica():
