@@ -1,0 +1,47 @@
+"""Cluster YAML: every shipped config loads; a bad file fails with the file and the key named."""
+
+from pathlib import Path
+
+import pytest
+
+from kvloom.cluster.app import expected_replicas
+from kvloom.cluster.config import ClusterConfigError, load_cluster_config
+
+CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    config = load_cluster_config(path)
+    assert expected_replicas(config) >= 1
+
+
+def test_all_expected_configs_ship():
+    names = {p.name for p in CONFIGS}
+    assert {"local-cpu.yaml", "multi-replica-cpu.yaml", "gpu.yaml", "autoscaling.yaml", "disaggregated.yaml",
+            "multi-tenant.yaml"} <= names
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("engine:\n  blocksize: 16\n", "engine.blocksize"),
+        ("engine:\n  block_size: 12\n", "engine.block_size"),
+        ("num_replicas: 0\n", "num_replicas"),
+        ("disaggregation:\n  transport: carrier-pigeon\n", "disaggregation.transport"),
+        ("frobnicate: 1\n", "frobnicate"),
+    ],
+)
+def test_bad_values_name_the_file_and_key(tmp_path, text, key):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ClusterConfigError) as err:
+        load_cluster_config(path)
+    assert str(path) in str(err.value) and key in str(err.value)
+
+
+def test_invalid_yaml_names_the_file(tmp_path):
+    path = tmp_path / "broken.yaml"
+    path.write_text("engine: [unclosed\n")
+    with pytest.raises(ClusterConfigError, match="broken.yaml"):
+        load_cluster_config(path)
