@@ -119,12 +119,10 @@ class LLMEngine:
 
     def _profile_cuda_budget(self) -> int:
         """KV budget on CUDA: the utilization target minus the peak of a max-size forward."""
-        from kvloom.kernels.backends import select_backend as pick
-
         tokens = self.config.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
         torch.cuda.reset_peak_memory_stats(self.device)
-        runner = ModelRunner(self.model, pick(self.config.attention_backend, self.device), blocks,
+        runner = ModelRunner(self.model, select_backend(self.config.attention_backend, self.device), blocks,
                              self.block_size, self.dtype, self.device)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
         probe.block_ids = list(range(blocks))
