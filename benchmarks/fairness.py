@@ -257,11 +257,11 @@ class Phase:
 
 def phases() -> list[Phase]:
     equal, fair = {"A": 1.0, "B": 1.0}, {"policy": "fair"}
-    return [
-        Phase("alone", "B alone", fair, equal, (), ("B",)),
+    return [  # B alone runs right before the phase it is the reference for: the host's load drifts
         Phase("fcfs", "FCFS", {"policy": "fcfs"}, equal, ("A",)),
         Phase("fair_no_preemption", "VTC, no fair-share preemption", {**fair, "fair_share_preemption": False},
               equal, ("A",)),
+        Phase("alone", "B alone", fair, equal, (), ("B",)),
         Phase("fair", "VTC (default: with fair-share preemption)", fair, equal, ("A",)),
         Phase("weighted", "VTC, weights A:B = 2:1, both flood", fair, {"A": 2.0, "B": 1.0}, ("A", "B")),
     ]

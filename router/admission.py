@@ -109,11 +109,12 @@ class AdmissionQueue:
                 continue
             credit_class = ticket.priority if self.policy.ranks_priority else 0
             replica = self.table.choose(ticket.prompt_hashes, credit_class)
-            ticket.preempts = replica is None and self.fair_share_preemption
-            if ticket.preempts:
-                replica = self.table.below_share(ticket.tenant, ticket.weight)
+            if replica is None and self.fair_share_preemption:
+                replica = self.table.choose_below_share(ticket.tenant, ticket.weight)
             if replica is None:
                 return
+            ticket.boosted = (self.fair_share_preemption
+                              and self.table.is_below_share(replica, ticket.tenant, ticket.weight))
             self._unqueue(ticket)
             self.table.take(replica, ticket.prompt_hashes, credit_class, ticket.tenant, ticket.weight)
             self.counters.started(ticket.tenant)

@@ -10,7 +10,8 @@ preemption, and both capped at PREEMPTION_HEADROOM x credit in flight:
   a high-priority request never waits in the router behind a batch of lower ones;
 - fair-share preemption: a tenant holding fewer of the replica's slots than its weighted share
   (among the tenants in flight there) while another holds more may go in, so a light tenant
-  does not wait for a flooder's request to finish.
+  does not wait for a flooder's request to finish. Such a request is "boosted" (with credit or
+  without): the engine runs it before the others of its class.
 
 A request goes to the replica holding the longest cached prefix of its prompt, unless that
 replica is busier than the least loaded one by more than `imbalance_threshold`; otherwise to the
@@ -109,10 +110,13 @@ class ReplicaTable:
     def max_model_len(self) -> int:
         return max((int(r.stats.get("max_model_len", 0)) for r in self.live()), default=0)
 
-    def below_share(self, tenant: str, weight: float) -> ReplicaState | None:
+    def choose_below_share(self, tenant: str, weight: float) -> ReplicaState | None:
         """The least loaded replica where `tenant` may preempt for its fair share of slots, if any."""
-        candidates = [r for r in self.live() if r.below_share(self.slack, tenant, weight)]
+        candidates = [r for r in self.live() if self.is_below_share(r, tenant, weight)]
         return min(candidates, key=lambda r: r.load, default=None)
+
+    def is_below_share(self, replica: ReplicaState, tenant: str, weight: float) -> bool:
+        return replica.below_share(self.slack, tenant, weight)
 
     def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0, tenant: str = "default",
              weight: float = 1.0) -> None:

@@ -20,10 +20,10 @@ class Ticket:
     queued: bool = False
     dispatched: bool = False  # reached a replica at least once (its prompt was charged)
     credit_class: int = 0  # the class whose replica credit it holds while dispatched
-    preempts: bool = False  # dispatched past full credit for its tenant's fair share of slots
+    boosted: bool = False  # its tenant is within its share of the replica's slots while another is over
 
     @property
     def engine_priority(self) -> int:
         """The engine's ordering key: classes (as the policy ranks them) stay strict; within a class
-        a fair-share request outranks, and so may preempt, the others."""
-        return 2 * self.credit_class + (0 if self.preempts else 1)
+        a boosted request goes before the others waiting in the engine and may preempt a running one."""
+        return 2 * self.credit_class + (0 if self.boosted else 1)

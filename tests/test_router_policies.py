@@ -262,20 +262,34 @@ async def test_a_tenant_below_its_share_of_a_full_replica_goes_in_to_preempt(wei
     flood = [Ticket(f"a{i}", [], "A", weight=weights[0], prompt_tokens=10, arrival=float(i)) for i in range(8)]
     tasks = [asyncio.create_task(queue.acquire(t)) for t in flood]
     await asyncio.sleep(0)
-    assert table.replicas["r"].inflight == 4 and not any(t.preempts for t in flood[:4])
+    assert table.replicas["r"].inflight == 4 and not any(t.boosted for t in flood[:4])
     light = [Ticket(f"b{i}", [], "B", weight=weights[1], prompt_tokens=10, arrival=10.0 + i) for i in range(2)]
     tasks += [asyncio.create_task(queue.acquire(t)) for t in light]
     await asyncio.sleep(0)  # b0 is lifted to A's counter and wins the tie (nothing of B's in flight)
-    assert light[0].future.done() and light[0].preempts and light[0].engine_priority < flood[0].engine_priority
+    assert light[0].future.done() and light[0].boosted and light[0].engine_priority < flood[0].engine_priority
     assert not light[1].future.done()  # VTC order still rules: A is behind in service now
     queue.release(table.replicas["r"], flood[0])  # b0 took that slot: still full
     assert not flood[4].future.done()
     queue.release(table.replicas["r"], flood[1])  # A's next goes in normally, then B's turn again
-    assert flood[4].future.done() and not flood[4].preempts
+    assert flood[4].future.done() and not flood[4].boosted
     assert light[1].future.done() == (b_share >= 2)  # only while B stays within its share of the 4 slots
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_tenant_within_its_share_is_boosted_even_with_credit_to_spare():
+    table = ReplicaTable(slack=0)
+    table.report(replica_stats(4))
+    counters = VirtualCounters()
+    queue = AdmissionQueue(table, 100, make_policy(PolicyConfig(policy="fair"), counters), counters)
+    queue.fair_share_preemption = True
+    flood = [Ticket(f"a{i}", [], "A") for i in range(3)]
+    for t in flood:
+        await queue.acquire(t)
+    light = Ticket("b", [], "B")
+    await queue.acquire(light)  # a free slot: no preemption needed, but it goes before A's in the engine
+    assert light.boosted and not any(t.boosted for t in flood[1:])
 
 
 async def test_no_fair_share_preemption_when_nobody_is_over_their_share():
