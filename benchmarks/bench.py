@@ -7,6 +7,7 @@ saved run without running anything again.
 import multiprocessing
 import os
 import platform
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,25 +19,32 @@ from kvloom.benchmarks.workloads import Workload
 DEFAULT_STRATEGIES = list(STRATEGIES)
 DEFAULT_PEERS = ["hf-static", "hf-cb"]
 DEFAULT_HF_BATCHES = (8, 16, 32)
+REFERENCE = "continuous"  # the system others are compared with (outputs, roofline, goals)
 
 
 def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT_HF_BATCHES,
-                 peer_requests: int | None = None) -> list[SystemSpec]:
-    """kvloom strategies first (the reference is the first of them), then the peers."""
+                 hf_static_batches: int | None = None, peer_requests: int | None = None) -> list[SystemSpec]:
+    """kvloom strategies, then the peers.
+
+    Peers are slow on CPU; to fit a time budget they may replay a stated prefix of the workload:
+    hf-static-B the first `hf_static_batches` x B requests (whole batches), hf-cb the first
+    `peer_requests`. None runs the whole workload.
+    """
     unknown = [s for s in strategies if s not in STRATEGIES] + [p for p in peers if p not in DEFAULT_PEERS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; strategies: {list(STRATEGIES)}, peers: {DEFAULT_PEERS}")
     systems = [SystemSpec(s, "kvloom", strategy=s) for s in strategies]
     if "hf-static" in peers:
-        systems += [SystemSpec(f"hf-static-{b}", "hf-static", batch_size=b, num_requests=peer_requests)
-                    for b in hf_batch_sizes]
+        systems += [SystemSpec(f"hf-static-{b}", "hf-static", batch_size=b,
+                               num_requests=hf_static_batches and hf_static_batches * b) for b in hf_batch_sizes]
     if "hf-cb" in peers:
         systems.append(SystemSpec("hf-cb", "hf-cb", num_requests=peer_requests))
     return systems
 
 
 def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
-    """Greedy outputs of every system against the first kvloom one, on the requests both finished.
+    """Greedy outputs of every system against kvloom continuous (else the first kvloom system, else the
+    first system), on the requests both finished.
 
     fp32 sums in a different order (other batch shapes, padding) can flip a near-tie argmax, after
     which the texts diverge; so a mismatch is reported with where it starts, never hidden or fatal.
@@ -44,7 +52,7 @@ def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     finished = [r for r in results if r.outputs]
     if not finished:
         return {}
-    reference = next((r for r in finished if r.spec.kind == "kvloom"), finished[0])
+    reference = min(finished, key=lambda r: (r.spec.name != REFERENCE, r.spec.kind != "kvloom"))
     report = {}
     for result in finished:
         if result is reference:
@@ -92,5 +100,5 @@ def run_systems(workload: Workload, systems: list[SystemSpec], settings: BenchSe
 
 def in_fresh_process(fn, *args):
     """Call `fn(*args)` in a spawned process (same threads and environment as the systems get)."""
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(fn, args)
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()

@@ -7,6 +7,7 @@ limit be stopped without losing what it finished: records are appended to disk a
 
 import json
 import multiprocessing
+import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -57,6 +58,7 @@ class SystemResult:
     outputs: dict[str, list[int]]  # generated token ids, for the equality check
     elapsed_s: float  # including model load
     rss_after_load_mb: float | None = None
+    steps: list[dict] = field(default_factory=list)  # kvloom: every step's shape and timings
 
 
 def _peak_rss_mb() -> float:
@@ -79,13 +81,14 @@ def _run_kvloom(spec: SystemSpec, workload: Workload, settings: BenchSettings, o
     engine = LLMEngine(strategy_config(spec.strategy, workload, **{**shared, **spec.engine}))
     warm_up(engine)
     loaded = _peak_rss_mb()
+    cpu = time.process_time()
     result = replay(engine, workload, on_record)
     metrics = summarize(
         spec.name, result.records, result.wall_s, result.counters, kv_usage_mean=result.kv_usage_mean,
         kv_usage_peak=result.kv_usage_peak, prefix_hit_rate=result.prefix_hit_rate,
-        preemptions=result.preemptions, forward_fraction=result.forward_fraction,
+        preemptions=result.preemptions, forward_fraction=result.forward_fraction, cpu_s=time.process_time() - cpu,
     )
-    return result.records, metrics, loaded
+    return result.records, metrics, loaded, [asdict(s) for s in result.steps]
 
 
 def _run_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, on_record):
@@ -99,8 +102,9 @@ def _run_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, on_
                                 settings.kv_cache_memory_bytes, settings.max_num_batched_tokens,
                                 settings.max_num_seqs)
     loaded = _peak_rss_mb()
+    cpu = time.process_time()
     records, counters, wall = peer.run(workload, on_record)
-    return records, summarize(spec.name, records, wall, counters), loaded
+    return records, summarize(spec.name, records, wall, counters, cpu_s=time.process_time() - cpu), loaded, []
 
 
 def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_dir: str) -> None:
@@ -121,9 +125,10 @@ def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_di
             bar.update(1)
 
         run = _run_kvloom if spec.kind == "kvloom" else _run_peer
-        records, metrics, loaded = run(spec, workload, settings, on_record)
+        records, metrics, loaded, steps = run(spec, workload, settings, on_record)
     bar.close()
     metrics.peak_rss_mb = _peak_rss_mb()
+    metrics.load_avg = os.getloadavg()[0]
     order = {r.request_id: i for i, r in enumerate(workload.requests)}
     records.sort(key=lambda r: order[r.request_id])
     if spec.num_requests is not None:
@@ -131,6 +136,7 @@ def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_di
     (out / "result.json").write_text(json.dumps({
         "metrics": asdict(metrics), "requests": _request_rows(records),
         "outputs": {r.request_id: r.output_token_ids for r in records}, "rss_after_load_mb": loaded,
+        "steps": steps,
     }))
 
 
@@ -172,7 +178,7 @@ def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings,
         data = json.loads(result_file.read_text())
         metrics = RunMetrics.from_dict(data["metrics"])
         return SystemResult(spec, status, metrics, data["requests"], data["outputs"], elapsed,
-                            data["rss_after_load_mb"])
+                            data["rss_after_load_mb"], data["steps"])
     if status == "ok":
         status = f"error: exit code {process.exitcode} (see the log above)"
     metrics, records = _partial(spec, out_dir, settings.timeout_s)

@@ -119,6 +119,8 @@ class RunMetrics:
     preemptions: int | None = None
     peak_rss_mb: float | None = None
     forward_fraction: float | None = None  # model forward (runner.execute) / step wall time
+    cpu_s: float | None = None  # process CPU time during the run: less sensitive to neighbours than wall time
+    load_avg: float | None = None  # the machine's 1-minute load average at the end of the run
     notes: list[str] = field(default_factory=list)
 
     @classmethod

@@ -78,7 +78,9 @@ class HFStaticPeer:
             steps = max(r.max_tokens for r in batch)
             ids = torch.tensor([[pad] * (longest_prompt - len(r.prompt)) + r.prompt for r in batch])
             mask = (torch.arange(longest_prompt) >= longest_prompt - torch.tensor([len(r.prompt) for r in batch])[:, None])
-            config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=None, pad_token_id=pad)
+            # eos_token_id=[]: no EOS at all (None would fall back to the model's EOS and stop rows early;
+            # min_new_tokens would mask EOS logits and change greedy outputs).
+            config = GenerationConfig(do_sample=False, max_new_tokens=steps, eos_token_id=[], pad_token_id=pad)
             clock = _StepClock()
             start = time.perf_counter()
             out = self.model.generate(ids, attention_mask=mask.long(), generation_config=config, streamer=clock)

@@ -30,21 +30,32 @@ def strategy_config(strategy: str, workload: Workload, **settings) -> EngineConf
     return EngineConfig(**overrides)
 
 
+@dataclass
+class StepShape:
+    """What one forward computed: enough to count its FLOPs exactly."""
+
+    batch_size: int = 0  # requests in the forward
+    num_tokens: int = 0  # new tokens (== batch_size for a decode-only step)
+    context_tokens: int = 0  # sum over requests of the keys each new token's request attends to at the end
+
+
 class ForwardTimer:
     """Times `runner.execute` (the model forward plus sampling) of one engine from the outside."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.last_s = 0.0
-        self.last_batch = 0  # requests in the last forward
+        self.last = StepShape()
         inner = engine.runner.execute
 
         def timed(scheduled, *args, **kwargs):
+            shape = StepShape(len(scheduled), sum(n for _, n in scheduled),
+                              sum(r.num_computed_tokens + n for r, n in scheduled))
             start = time.perf_counter()
             try:
                 return inner(scheduled, *args, **kwargs)
             finally:
                 self.last_s = time.perf_counter() - start
-                self.last_batch = len(scheduled)
+                self.last = shape
 
         engine.runner.execute = timed
 
@@ -52,7 +63,9 @@ class ForwardTimer:
 @dataclass
 class StepSample:
     t: float  # step end, seconds since the replay started
-    batch_size: int  # requests in the step
+    batch_size: int
+    num_tokens: int
+    context_tokens: int
     step_s: float
     forward_s: float
     kv_usage: float
@@ -116,8 +129,9 @@ def replay(engine: LLMEngine, workload: Workload, on_finish: Callable[[RequestRe
             time.sleep(0.001)
             continue
         stats = engine.stats()
-        steps.append(StepSample(end - t0, timer.last_batch, end - start, timer.last_s,
-                                1 - stats.num_free_blocks / stats.num_blocks))
+        shape = timer.last
+        steps.append(StepSample(end - t0, shape.batch_size, shape.num_tokens, shape.context_tokens, end - start,
+                                timer.last_s, 1 - stats.num_free_blocks / stats.num_blocks))
         for out in outputs:
             token_times[out.request_id].extend([end] * len(out.outputs[0].delta_token_ids))
             if out.finished:

@@ -9,6 +9,12 @@ from pathlib import Path
 import numpy as np
 
 LATENCIES = ("ttft", "tpot", "e2e")
+COLUMNS = ("<sub>mean batch: requests computed per step; idle: slot-steps held by finished members of a batch "
+           "(static/dynamic wait for the longest; hf-static computes them) over all held slot-steps; padding: "
+           "prompt padding to the batch's longest prompt over padded + real prompt tokens (hf-static computes it, "
+           "kvloom only counts it); KV: share of the KV budget in use per step, mean / peak; CPU s: process CPU "
+           "time of the run; load: 1-minute load average at its end (the machine is shared); outputs equal: "
+           "greedy outputs identical to the reference, over the requests both ran.</sub>")
 
 
 def _pyplot():
@@ -25,7 +31,9 @@ def _ok(run: dict) -> list[dict]:
 
 
 def _fmt(value, spec: str = ".2f", scale: float = 1.0, missing: str = "–") -> str:
-    return missing if value is None else format(value * scale, spec)
+    if value is None:
+        return missing
+    return format(value * scale if scale != 1 else value, spec)
 
 
 def _pct(value) -> str:
@@ -49,7 +57,7 @@ def results_table(run: dict) -> str:
     """One row per system: throughput, latency percentiles, batch efficiency, memory, output check."""
     head = ("| system | status | req | out tok/s | total tok/s | req/s | TTFT p50/p90/p99 s | "
             "TPOT p50/p90/p99 ms | E2E p50/p90/p99 s | mean batch | idle | padding | KV mean/peak | "
-            "prefix hit | preempt | peak RSS MB | outputs equal |")
+            "prefix hit | preempt | peak RSS MB | CPU s | load | outputs equal |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in run["results"]:
         m = r["metrics"]
@@ -63,7 +71,8 @@ def results_table(run: dict) -> str:
             f"{m['requests_s']:.3f} | {lat[0]} | {lat[1]} | {lat[2]} | {_fmt(m['mean_batch_size'], '.1f')} | "
             f"{_pct(m['idle_ratio'])} | {_pct(m['padding_ratio'])} | "
             f"{_pct(m['kv_usage_mean'])} / {_pct(m['kv_usage_peak'])} | {_pct(m['prefix_hit_rate'])} | "
-            f"{_fmt(m['preemptions'], 'd')} | {_fmt(m['peak_rss_mb'], '.0f')} | {_match(run, name)} |")
+            f"{_fmt(m['preemptions'], 'd')} | {_fmt(m['peak_rss_mb'], '.0f')} | {_fmt(m.get('cpu_s'), '.0f')} | "
+            f"{_fmt(m.get('load_avg'), '.1f')} | {_match(run, name)} |")
     return "\n".join(rows)
 
 
@@ -82,6 +91,10 @@ def notes(run: dict) -> str:
             lines.append(f"- {name} vs {eq['reference']}: {len(eq['mismatches'])} of {eq['compared']} outputs "
                          f"differ, first divergence: {where}{more}")
     return "\n".join(lines)
+
+
+def system_result(run: dict, system: str) -> dict | None:
+    return next((r for r in run["results"] if r["spec"]["name"] == system), None)
 
 
 def metric(run: dict, system: str, path: str):
@@ -191,7 +204,7 @@ def run_section(run: dict, out_dir: Path, stem: str, title: str) -> str:
     cdf = plot_latency_cdfs(run, out_dir / f"{stem}-latency.png")
     params = ", ".join(f"{k}={v}" for k, v in run["params"].items())
     parts = [f"## {title}", f"Workload `{run['workload']}` ({params}): {run['num_requests']} requests, "
-             f"{run['output_tokens']} output tokens.", "", results_table(run)]
+             f"{run['output_tokens']} output tokens.", "", results_table(run), "", COLUMNS]
     if (n := notes(run)):
         parts += ["", n]
     parts += ["", f"![throughput]({tput.name})", f"![latency CDFs]({cdf.name})"]
@@ -231,17 +244,21 @@ def roofline_section(machine: dict, run: dict, system: str) -> str:
         "## Roofline",
         f"fp32 GEMM with the model's weight shapes, {run['workload']} FLOPs counted from its tokens:",
         f"- GEMM rate at M={machine['decode_m']} (decoder linears + LM head): {machine['decode_rate'] / 1e9:.1f} GFLOP/s; "
-        f"at M={machine['prefill_m']} (decoder linears): {machine['prefill_rate'] / 1e9:.1f} GFLOP/s",
+        f"at M={machine['prefill_m']} (decoder linears): {machine['prefill_rate'] / 1e9:.1f} GFLOP/s; "
+        f"at M=32: {machine['rate_m32'] / 1e9:.1f} GFLOP/s",
         f"- model FLOPs: prefill {machine['prefill_flops'] / 1e12:.2f} TFLOP, decode {machine['decode_flops'] / 1e12:.2f} TFLOP",
         f"- compute roofline {machine['roofline_s']:.1f} s; `{system}` wall {_fmt(wall, '.1f')} s = "
         f"**{_fmt(wall / machine['roofline_s'] if wall else None, '.2f')}x roofline**",
         "",
-        "| decode probe | context | step ms | forward ms | overhead outside forward | GFLOP/s | GEMM GFLOP/s at M=batch | efficiency |",
-        "|---|---|---|---|---|---|---|---|",
+        f"Decode probes: the decode-only steps of `{system}`'s run at batch 64 (and 28-36), FLOPs counted per step.",
+        "",
+        "| probe | steps | mean context | step ms | forward ms | outside forward | GFLOP/s | GEMM GFLOP/s at M | efficiency |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for p in machine["probes"]:
-        lines.append(f"| batch {p['batch']} | {p['context']} | {p['step_s'] * 1000:.0f} | {p['forward_s'] * 1000:.0f} | "
-                     f"{p['overhead']:.1%} | {p['flops_per_s'] / 1e9:.1f} | {p['gemm_rate'] / 1e9:.1f} | {p['efficiency']:.0%} |")
+    for p in machine.get("probes", []):
+        lines.append(f"| batch {p['batch']:.1f} | {p['num_steps']} | {p['context']:.0f} | {p['step_s'] * 1000:.0f} | "
+                     f"{p['forward_s'] * 1000:.0f} | {p['overhead']:.1%} | {p['flops_per_s'] / 1e9:.1f} | "
+                     f"{p['gemm_rate'] / 1e9:.1f} | {p['efficiency']:.0%} |")
     return "\n".join(lines)
 
 

@@ -197,3 +197,38 @@ def test_report_renders_tables_and_plots(tmp_path):
         "bench-0-throughput.png", "bench-0-latency.png", "bench-1-throughput.png", "bench-1-latency.png",
         "bench-rates.png"}
     assert json.loads((tmp_path / "bench.json").read_text())["title"] == "chat"
+
+
+# ---- roofline -----------------------------------------------------------------------------------
+SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, layers=30, vocab=49152)
+
+
+def test_model_flops_count_linears_head_and_attention():
+    from kvloom.benchmarks.roofline import ModelShape, workload_flops
+    from kvloom.benchmarks.workloads import WorkloadRequest
+
+    shape = ModelShape(**SMOLLM2)
+    assert shape.linear_params == 30 * (2 * 576 * 576 + 2 * 576 * 192 + 3 * 576 * 1536)  # 106.2M
+    assert shape.attention_flops(0, 3) == 4 * 9 * 64 * 30 * (1 + 2 + 3)
+    flops = workload_flops(Workload("w", [WorkloadRequest("a", [1, 2], 3)]), shape)
+    token, head = 2 * shape.linear_params, 2 * 576 * 49152
+    assert flops.prefill == 2 * token + shape.attention_flops(0, 2) + head
+    assert flops.decode == 2 * (token + head) + shape.attention_flops(2, 4)  # 3 outputs: 2 more tokens fed
+
+
+def test_decode_probe_uses_decode_only_steps_near_the_batch():
+    from kvloom.benchmarks.roofline import ModelShape, decode_probe
+
+    def step(batch: int, tokens: int, context: int, step_s: float) -> dict:
+        return {"batch_size": batch, "num_tokens": tokens, "context_tokens": context, "step_s": step_s,
+                "forward_s": 0.9 * step_s}
+
+    shape = ModelShape(**SMOLLM2)
+    steps = [step(64, 2000, 9000, 5.0), step(64, 64, 64 * 300, 1.0), step(64, 64, 64 * 310, 1.2), step(30, 30, 30 * 400, 0.5)]
+    probe = decode_probe(steps, shape, 64)
+    assert probe.num_steps == 2 and probe.step_s == pytest.approx(1.1) and probe.context == pytest.approx(305)
+    expected = 64 * (2 * shape.linear_params + 2 * 576 * 49152) + 4 * 9 * 64 * 30 * 64 * 305
+    assert probe.flops_per_step == pytest.approx(expected)
+    assert probe.overhead == pytest.approx(0.1)
+    assert decode_probe(steps, shape, 32, tolerance=4).num_steps == 1
+    assert decode_probe(steps, shape, 8) is None

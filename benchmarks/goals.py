@@ -1,0 +1,102 @@
+"""The performance goals, each checked against the numbers of one suite run.
+
+A goal whose inputs are missing (a system that timed out, a section not run) is reported as
+"not measured", never as met.
+"""
+
+from dataclasses import dataclass
+
+from kvloom.benchmarks.report import metric
+
+
+@dataclass
+class Goal:
+    name: str
+    target: str
+    measured: str
+    met: bool | None  # None: not measured
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "missed", None: "not measured"}[self.met]
+
+
+def _ratio_goal(name: str, target: str, value: float | None, threshold: float, unit: str = "x",
+                detail: str = "") -> Goal:
+    if value is None:
+        return Goal(name, target, "–", None)
+    margin = value / threshold
+    how = f"{margin:.2f}x of target" if value >= threshold else f"missed by {(1 - margin):.0%}"
+    return Goal(name, target, f"{value:.2f}{unit} ({how}){detail}", value >= threshold)
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def w1_goals(w1: dict, machine: dict | None, kv_cache_memory_bytes: int) -> list[Goal]:
+    goals = []
+    peers = [r for r in w1["results"] if r["spec"]["kind"] != "kvloom" and r["metrics"]]
+    best = max(peers, key=lambda r: r["metrics"]["output_tok_s"], default=None)
+    cont = metric(w1, "continuous", "output_tok_s")
+    detail = ""
+    if best:
+        detail = f"; best peer {best['spec']['name']} {best['metrics']['output_tok_s']:.1f} tok/s"
+        if best["spec"]["num_requests"]:
+            detail += f" on the first {best['spec']['num_requests']} requests"
+    goals.append(_ratio_goal("W1 throughput vs peers", "kvloom continuous output tok/s >= 3x the best peer",
+                             _div(cont, best and best["metrics"]["output_tok_s"]), 3.0, detail=detail))
+    if machine:
+        wall = metric(w1, "continuous", "wall_s")
+        ratio = _div(wall, machine["roofline_s"])
+        goals.append(Goal("W1 vs compute roofline", "W1 wall <= 2x roofline",
+                          "–" if ratio is None else f"{ratio:.2f}x roofline ({wall:.0f} s vs {machine['roofline_s']:.0f} s)",
+                          None if ratio is None else ratio <= 2.0))
+        probes = {p["target_batch"]: p for p in machine.get("probes", [])}
+        if 64 in probes:
+            p = probes[64]
+            goals.append(_ratio_goal("decode efficiency at batch 64", "decode step >= 60% of GEMM FLOP/s at M=64",
+                                     p["efficiency"] * 100, 60.0, unit="%",
+                                     detail=f"; {p['flops_per_s'] / 1e9:.1f} vs {p['gemm_rate'] / 1e9:.1f} GFLOP/s"))
+        if 32 in probes:
+            p = probes[32]
+            goals.append(Goal("engine overhead at batch 32", "step time outside runner.execute < 10%",
+                              f"{p['overhead']:.1%} ({(p['step_s'] - p['forward_s']) * 1000:.1f} ms of "
+                              f"{p['step_s'] * 1000:.0f} ms)", p["overhead"] < 0.10))
+        rss = metric(w1, "continuous", "peak_rss_mb")
+        kv_mb = kv_cache_memory_bytes / 2**20
+        limit = machine["weights_mb"] + kv_mb + 500
+        goals.append(Goal("peak RSS on W1", f"<= weights + KV budget + 500 MB ({limit:.0f} MB)",
+                          "–" if rss is None else f"{rss:.0f} MB ({rss - limit:+.0f} MB vs limit)",
+                          None if rss is None else rss <= limit))
+    return goals
+
+
+def chat_goal(chat_runs: list[dict]) -> Goal:
+    top = max(chat_runs, key=lambda run: run["params"]["rate"])
+    ratio = _div(metric(top, "continuous", "output_tok_s"), metric(top, "dynamic", "output_tok_s"))
+    return _ratio_goal("chat at saturation", "continuous >= 1.2x dynamic output tok/s",
+                       ratio, 1.2, detail=f" at {top['params']['rate']} req/s")
+
+
+def long_prefill_goal(run: dict) -> Goal:
+    unchunked, chunked = metric(run, "continuous", "tpot.p99"), metric(run, "continuous+chunked", "tpot.p99")
+    if unchunked is None or chunked is None:
+        return Goal("chunked prefill on long-prefill", "lower p99 TPOT than unchunked", "–", None)
+    return Goal("chunked prefill on long-prefill", "lower p99 TPOT than unchunked",
+                f"{chunked * 1000:.0f} ms vs {unchunked * 1000:.0f} ms ({chunked / unchunked:.2f}x)",
+                chunked < unchunked)
+
+
+def prefix_goal(run: dict, on: str, off: str) -> Goal:
+    factor = _div(metric(run, on, "output_tok_s"), metric(run, off, "output_tok_s"))
+    hit = metric(run, on, "prefix_hit_rate")
+    return Goal("prefix caching on shared-prefix", "raises tok/s (report the factor)",
+                "–" if factor is None else f"{factor:.2f}x tok/s, hit rate {hit:.0%}",
+                None if factor is None else factor > 1.0)
+
+
+def goals_table(goals: list[Goal]) -> str:
+    rows = ["| goal | target | measured | verdict |", "|---|---|---|---|"]
+    rows += [f"| {g.name} | {g.target} | {g.measured} | **{g.verdict}** |" for g in goals]
+    return "\n".join(rows)
