@@ -29,6 +29,7 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+MULTI_TENANT = "multi-tenant"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
 
 
@@ -102,6 +103,10 @@ def _bench(args: argparse.Namespace) -> int:
     # Sleep, do not spin, at OpenMP barriers: on a shared CPU a spinning thread pool loses its time
     # slice to the neighbours and small GEMMs run up to 10x slower. Set before any torch import.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if args.workload == MULTI_TENANT:  # the fairness benchmark: its own cluster, phases and report
+        from kvloom.benchmarks.fairness import main as fairness
+
+        return fairness(["--out", args.out] if args.out else [])
     from kvloom.benchmarks.command import BenchOptions, run_bench
     from kvloom.benchmarks.harness import BenchSettings
 
@@ -154,7 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvloom.benchmarks.workloads import GENERATORS
 
     bench = sub.add_parser("bench", help="batching-strategy lab: replay a workload on kvloom strategies and peers")
-    bench.add_argument("--workload", default="offline-mixed", choices=list(GENERATORS))
+    bench.add_argument("--workload", default="offline-mixed", choices=[*GENERATORS, MULTI_TENANT],
+                       help=f"{MULTI_TENANT}: the tenant fairness benchmark (FCFS vs VTC; writes "
+                            "benchmarks/results/fairness.md unless --out)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
     bench.add_argument("--rates", type=_csv(float), default=[], help="request rates (req/s), one run each, e.g. 0.1,0.2,0.4")

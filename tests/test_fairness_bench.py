@@ -55,3 +55,12 @@ def test_report_files(tmp_path):
     assert "| B's p99 TTFT under A's flood vs B alone | <= 1.5x | 1.20x" in report and "**no**" not in report
     assert json.loads((tmp_path / "fairness.json").read_text())["goals"]["weighted_ratio"] == 2.0
     assert (tmp_path / "fairness.png").stat().st_size > 1000
+
+
+def test_kvloom_bench_multi_tenant_runs_this_benchmark(monkeypatch, tmp_path):
+    from kvloom.cluster import cli
+
+    calls = []
+    monkeypatch.setattr(fairness, "main", lambda argv: calls.append(argv) or 0)
+    assert cli.main(["bench", "--workload", "multi-tenant", "--out", str(tmp_path)]) == 0
+    assert calls == [["--out", str(tmp_path)]]
