@@ -4,12 +4,14 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from kvloom.router.tenants import ANONYMOUS
+
 
 @dataclass(eq=False)  # identity: two requests are never the same ticket
 class Ticket:
     request_id: str
     prompt_hashes: list[int]
-    tenant: str = "default"
+    tenant: str = ANONYMOUS
     priority: int = 0  # class; lower runs first
     weight: float = 1.0  # the tenant's fair-share weight
     prompt_tokens: int = 0
