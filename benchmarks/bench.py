@@ -7,6 +7,7 @@ saved run without running anything again.
 import multiprocessing
 import os
 import platform
+import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -20,11 +21,12 @@ DEFAULT_STRATEGIES = list(STRATEGIES)
 DEFAULT_PEERS = ["hf-static", "hf-cb"]
 DEFAULT_HF_BATCHES = (8, 16, 32)
 REFERENCE = "continuous"  # the system others are compared with (outputs, roofline, goals)
+RESERVE_S = 60.0  # under a time budget, what each system still to come is guaranteed
 
 
 def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT_HF_BATCHES,
                  hf_static_batches: int | None = None, peer_requests: int | None = None) -> list[SystemSpec]:
-    """kvloom strategies, then the peers.
+    """kvloom's reference strategy, the peers, then the other strategies.
 
     Peers are slow on CPU; to fit a time budget they may replay a stated prefix of the workload:
     hf-static-B the first `hf_static_batches` x B requests (whole batches), hf-cb the first
@@ -33,13 +35,15 @@ def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT
     unknown = [s for s in strategies if s not in STRATEGIES] + [p for p in peers if p not in DEFAULT_PEERS]
     if unknown:
         raise ValueError(f"unknown system(s) {unknown}; strategies: {list(STRATEGIES)}, peers: {DEFAULT_PEERS}")
-    systems = [SystemSpec(s, "kvloom", strategy=s) for s in strategies]
-    if "hf-static" in peers:
-        systems += [SystemSpec(f"hf-static-{b}", "hf-static", batch_size=b,
-                               num_requests=hf_static_batches and hf_static_batches * b) for b in hf_batch_sizes]
+    kvloom = [SystemSpec(s, "kvloom", strategy=s) for s in strategies]
+    others = []
     if "hf-cb" in peers:
-        systems.append(SystemSpec("hf-cb", "hf-cb", num_requests=peer_requests))
-    return systems
+        others.append(SystemSpec("hf-cb", "hf-cb", num_requests=peer_requests))
+    if "hf-static" in peers:
+        others += [SystemSpec(f"hf-static-{b}", "hf-static", batch_size=b,
+                              num_requests=hf_static_batches and hf_static_batches * b) for b in hf_batch_sizes]
+    # Under a time budget, what runs first is what is sure to finish: the reference, then the peers.
+    return [s for s in kvloom if s.name == REFERENCE] + others + [s for s in kvloom if s.name != REFERENCE]
 
 
 def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
@@ -80,14 +84,23 @@ def environment(settings: BenchSettings) -> dict:
 
 
 def run_systems(workload: Workload, systems: list[SystemSpec], settings: BenchSettings, out_dir: Path,
-                label: str | None = None) -> dict:
-    """Replay `workload` (saved once as JSONL, so each system reads identical input) on every system."""
+                label: str | None = None, budget_s: float | None = None) -> dict:
+    """Replay `workload` (saved once as JSONL, so each system reads identical input) on every system.
+
+    With `budget_s` the whole run stays within it: each system may use what is left minus a reserve of
+    RESERVE_S for each system still to come, and one stopped at its limit keeps what it finished (flagged).
+    """
     path = workload.save(out_dir / f"{workload.name}.jsonl")
+    deadline = time.monotonic() + budget_s if budget_s else None
     results = []
     bar = tqdm(systems, desc=label or workload.name, unit="system", position=0)
-    for spec in bar:
+    for i, spec in enumerate(bar):
         bar.set_postfix_str(spec.name)
-        result = run_isolated(spec, path, settings, out_dir / "systems" / spec.name)
+        limit = settings.timeout_s
+        if deadline is not None:
+            left = len(systems) - i - 1
+            limit = min(limit, max(deadline - time.monotonic() - RESERVE_S * left, RESERVE_S))
+        result = run_isolated(spec, path, settings, out_dir / "systems" / spec.name, limit)
         m = result.metrics
         tqdm.write(f"  {spec.name:<20} {result.status:<8} "
                    + (f"{m.output_tok_s:7.1f} out tok/s  {m.num_requests} req  {m.wall_s:6.1f} s" if m else "")
@@ -95,7 +108,7 @@ def run_systems(workload: Workload, systems: list[SystemSpec], settings: BenchSe
         results.append(result)
     return {"label": label or workload.name, "workload": workload.name, "params": workload.params,
             "num_requests": len(workload.requests), "output_tokens": workload.num_output_tokens,
-            "results": [asdict(r) for r in results], "equality": compare_outputs(results)}
+            "budget_s": budget_s, "results": [asdict(r) for r in results], "equality": compare_outputs(results)}
 
 
 def in_fresh_process(fn, *args):

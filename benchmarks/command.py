@@ -29,6 +29,7 @@ class BenchOptions:
     sweep: str | None = None  # "max_num_seqs=1,4,16,64,256"
     tpot_budget_ms: float = 250.0
     roofline: bool = True
+    budget_s: float | None = None  # for each run (each rate): systems past their share are stopped, flagged
     out: Path | None = None
     settings: BenchSettings = field(default_factory=BenchSettings)
 
@@ -61,7 +62,7 @@ def run_bench(options: BenchOptions) -> Path:
         systems = (sweep_systems(*sweep, strategy) if sweep else
                    make_systems(options.strategies, options.peers, options.hf_batch_sizes, options.hf_static_batches,
                                 options.peer_requests))
-        runs.append(run_systems(workload, systems, settings, out / _slug(label), label))
+        runs.append(run_systems(workload, systems, settings, out / _slug(label), label, options.budget_s))
     doc = {"title": runs[0]["label"] if len(runs) == 1 else options.workload,
            "environment": environment(settings), "runs": runs, "roofline_system": strategy}
     if options.roofline and not sweep:

@@ -113,7 +113,7 @@ def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_di
     from tqdm import tqdm
 
     torch.set_num_threads(settings.threads)
-    workload = Workload.load(Path(workload_path))
+    workload = Workload.load(Path(workload_path)).with_token_ids(settings.model)
     if spec.num_requests is not None:
         workload = workload.head(spec.num_requests)
     out = Path(out_dir)
@@ -154,8 +154,10 @@ def _partial(spec: SystemSpec, out: Path, timeout_s: float) -> tuple[RunMetrics 
     return metrics, records
 
 
-def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings, out_dir: Path) -> SystemResult:
-    """Run `spec` in a fresh spawned process, stopping it at `settings.timeout_s`."""
+def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings, out_dir: Path,
+                 limit_s: float | None = None) -> SystemResult:
+    """Run `spec` in a fresh spawned process, stopping it at `limit_s` (default `settings.timeout_s`)."""
+    limit_s = limit_s or settings.timeout_s
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("records.jsonl", "result.json"):
         (out_dir / stale).unlink(missing_ok=True)
@@ -163,7 +165,7 @@ def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings,
         target=_child, args=(spec, str(workload_path), settings, str(out_dir)), name=f"bench-{spec.name}")
     start = time.monotonic()
     process.start()
-    process.join(settings.timeout_s)
+    process.join(limit_s)
     status = "ok"
     if process.is_alive():
         process.terminate()
@@ -181,6 +183,6 @@ def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings,
                             data["rss_after_load_mb"], data["steps"])
     if status == "ok":
         status = f"error: exit code {process.exitcode} (see the log above)"
-    metrics, records = _partial(spec, out_dir, settings.timeout_s)
+    metrics, records = _partial(spec, out_dir, limit_s)
     return SystemResult(spec, status, metrics, _request_rows(records),
                         {r.request_id: r.output_token_ids for r in records}, elapsed)

@@ -169,7 +169,7 @@ def machine_report(model: str, workload_path: str, threads: int) -> dict:
     torch.set_num_threads(threads)
     model_dir = resolve_model_dir(model)
     shape = ModelShape.of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
-    roof = measure_roofline(Workload.load(Path(workload_path)), shape)
+    roof = measure_roofline(Workload.load(Path(workload_path)).with_token_ids(model), shape)
     return {"decode_rate": roof.decode_rate, "prefill_rate": roof.prefill_rate, "decode_m": DECODE_M,
             "prefill_m": PREFILL_M, "rate_m32": gemm_rate(shape, 32, with_head=True),
             "prefill_flops": roof.workload_flops.prefill, "decode_flops": roof.workload_flops.decode,

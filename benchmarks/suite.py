@@ -15,8 +15,8 @@ from kvloom.benchmarks.bench import (DEFAULT_HF_BATCHES, DEFAULT_PEERS, DEFAULT_
 from kvloom.benchmarks.command import OUT_ROOT, machine_section
 from kvloom.benchmarks.goals import chat_goal, goals_table, long_prefill_goal, prefix_goal, w1_goals
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
-from kvloom.benchmarks.report import (environment_lines, rate_section, results_table, roofline_section,
-                                      run_section, sweep_section)
+from kvloom.benchmarks.report import (environment_lines, headline_table, rate_section, results_table,
+                                      roofline_section, run_section, sweep_section)
 from kvloom.benchmarks.sweep import summarize_sweep, sweep_systems
 from kvloom.benchmarks.workloads import default_corpus, make_workload
 
@@ -24,6 +24,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # Peers on a stated prefix of W1 (the whole of it would not fit the 15-minute budget on 2 cores):
 # hf-static-B one full batch (the first B requests), hf-cb the first 32.
 HF_STATIC_BATCHES, PEER_REQUESTS = 1, 32
+W1_BUDGET_S = 14 * 60  # W1 with every system within 15 minutes, the roofline included
 CHAT_RATES = (0.1, 0.3, 1.0)
 CHAT_REQUESTS = 20
 CHAT_STRATEGIES = ["static", "dynamic", "continuous"]
@@ -38,7 +39,7 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
     corpus = default_corpus(settings.model)
     w1 = make_workload("offline-mixed", corpus)
     systems = make_systems(DEFAULT_STRATEGIES, DEFAULT_PEERS, DEFAULT_HF_BATCHES, HF_STATIC_BATCHES, PEER_REQUESTS)
-    doc = {"w1": run_systems(w1, systems, settings, scratch / "w1", "W1 (offline-mixed)")}
+    doc = {"w1": run_systems(w1, systems, settings, scratch / "w1", "W1 (offline-mixed)", W1_BUDGET_S)}
     doc["machine"] = machine_section(doc["w1"], scratch / "w1", "continuous", settings)
     chat_systems = [SystemSpec(s, "kvloom", strategy=s) for s in CHAT_STRATEGIES]
     doc["chat"] = [run_systems(make_workload("chat", corpus, num_requests=CHAT_REQUESTS, rate=rate), chat_systems,
@@ -69,6 +70,8 @@ def _markdown(doc: dict, out: Path) -> str:
         "Regenerate with `./dev.sh bench --suite` (or `.venv/bin/kvloom bench --suite`). "
         + environment_lines(doc["environment"]),
         "Timings on a shared 2-core machine are noisy; compare systems by the ratios within one run.",
+        "## Headline: W1 (64 requests at t=0, prompts 16-512, outputs 16-256 tokens)", headline_table(w1),
+        "![W1 throughput](w1-throughput.png)",
         "## Goals", goals_table(goals),
         run_section(w1, out, "w1", "W1: every strategy and both peers"),
         roofline_section(machine, w1, "continuous"),

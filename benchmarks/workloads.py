@@ -66,14 +66,17 @@ class TokenCorpus:
         return self.token_ids[start : start + length].tolist()
 
 
-def default_corpus(model: str = "smollm2", num_words: int = 60_000) -> TokenCorpus:
-    """The synthetic corpus tokenized by `model`'s tokenizer (~70k tokens: room for 4k windows)."""
+def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     from kvloom.engine.model_loader import resolve_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
-    ids = tokenizer.encode(synthetic_text(num_words), add_special_tokens=False)
+    return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+
+
+def default_corpus(model: str = "smollm2", num_words: int = 60_000) -> TokenCorpus:
+    """The synthetic corpus tokenized by `model`'s tokenizer (~70k tokens: room for 4k windows)."""
+    ids = load_tokenizer(model).encode(synthetic_text(num_words), add_special_tokens=False)
     return TokenCorpus(np.asarray(ids, dtype=np.int64))
 
 
@@ -110,10 +113,17 @@ class Workload:
         return cls(path.stem, requests, {"path": str(path)})
 
     def tokenized(self, encode: Callable[[str], list[int]]) -> "Workload":
-        """The same workload with every text prompt turned into ids (peers take ids only)."""
+        """The same workload with every text prompt turned into ids, the way the engine encodes text."""
         requests = [r if isinstance(r.prompt, list) else WorkloadRequest(**{**asdict(r), "prompt": encode(r.prompt)})
                     for r in self.requests]
         return Workload(self.name, requests, self.params)
+
+    def with_token_ids(self, model: str) -> "Workload":
+        """Token ids for every prompt (loading `model`'s tokenizer only if some prompt is text), so every
+        system, peers included, gets identical ids."""
+        if all(isinstance(r.prompt, list) for r in self.requests):
+            return self
+        return self.tokenized(load_tokenizer(model).encode)
 
     def head(self, n: int) -> "Workload":
         """The first `n` requests (a stated subset, for a system that cannot finish them all)."""

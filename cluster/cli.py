@@ -125,7 +125,7 @@ def _bench(args: argparse.Namespace) -> int:
             strategies=args.strategies, peers=args.peers, hf_batch_sizes=args.hf_batch_sizes,
             hf_static_batches=args.hf_static_batches or None, peer_requests=args.peer_requests or None,
             sweep=args.sweep, tpot_budget_ms=args.tpot_budget_ms, roofline=not args.no_roofline,
-            out=Path(args.out) if args.out else None, settings=settings,
+            budget_s=args.budget_min * 60 or None, out=Path(args.out) if args.out else None, settings=settings,
         ))
     print(f"report: {path}")
     return 0
@@ -183,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--kv-cache-gib", type=float, default=2.0)
     bench.add_argument("--no-prefix-caching", action="store_true")
     bench.add_argument("--timeout-s", type=float, default=600.0, help="limit per system run")
+    bench.add_argument("--budget-min", type=float, default=14.0,
+                       help="time budget per run (per rate): a system past its share is stopped and its finished "
+                            "requests reported, flagged (default 14: W1 in 15 minutes; 0: none)")
     bench.add_argument("--no-roofline", action="store_true")
     bench.add_argument("--suite", action="store_true",
                        help="run the whole CPU report suite and write benchmarks/results/cpu.md")

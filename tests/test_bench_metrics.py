@@ -232,3 +232,91 @@ def test_decode_probe_uses_decode_only_steps_near_the_batch():
     assert probe.overhead == pytest.approx(0.1)
     assert decode_probe(steps, shape, 32, tolerance=4).num_steps == 1
     assert decode_probe(steps, shape, 8) is None
+
+
+# ---- goals --------------------------------------------------------------------------------------
+def test_goals_compare_the_right_systems_and_say_when_unmeasured():
+    from kvloom.benchmarks.goals import chat_goal, long_prefill_goal, prefix_goal, w1_goals
+
+    def run(rate=None, **systems) -> dict:
+        results = [{"spec": {"name": name, "kind": "hf-cb" if name.startswith("hf") else "kvloom",
+                             "num_requests": None}, "metrics": metrics} for name, metrics in systems.items()]
+        return {"results": results, "params": {"rate": rate}}
+
+    w1 = run(continuous={"output_tok_s": 90.0, "wall_s": 100.0, "peak_rss_mb": 3000.0},
+             **{"hf-cb": {"output_tok_s": 30.0}, "hf-static-8": {"output_tok_s": 20.0}})
+    machine = {"roofline_s": 40.0, "weights_mb": 500.0, "probes": [
+        {"target_batch": 64, "efficiency": 0.3, "flops_per_s": 3e10, "gemm_rate": 1e11, "overhead": 0.01,
+         "step_s": 1.0, "forward_s": 0.99},
+        {"target_batch": 32, "efficiency": 0.5, "flops_per_s": 5e10, "gemm_rate": 1e11, "overhead": 0.2,
+         "step_s": 0.5, "forward_s": 0.4}]}
+    goals = {g.name: g for g in w1_goals(w1, machine, 2 << 30)}
+    assert goals["W1 throughput vs peers"].met and "hf-cb" in goals["W1 throughput vs peers"].measured
+    assert goals["W1 vs compute roofline"].met is False  # 2.5x
+    assert goals["decode efficiency at batch 64"].met is False
+    assert goals["engine overhead at batch 32"].met is False
+    assert goals["peak RSS on W1"].met is True  # 3000 <= 500 + 2048 + 500
+    chats = [run(0.1, continuous={"output_tok_s": 10.0}, dynamic={"output_tok_s": 10.0}),
+             run(1.0, continuous={"output_tok_s": 50.0}, dynamic={"output_tok_s": 20.0})]
+    assert chat_goal(chats).met and "1.0 req/s" in chat_goal(chats).measured
+    long = run(continuous={"tpot": {"p99": 0.5}}, **{"continuous+chunked": {"tpot": {"p99": 0.3}}})
+    assert long_prefill_goal(long).met
+    assert long_prefill_goal(run(continuous={"tpot": {"p99": 0.5}})).met is None
+    shared = run(on={"output_tok_s": 30.0, "prefix_hit_rate": 0.8}, off={"output_tok_s": 10.0})
+    assert prefix_goal(shared, "on", "off").met and "3.00x" in prefix_goal(shared, "on", "off").measured
+
+
+def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpus):
+    """The hour-long suite must not die at the end: drive it with instant fake systems."""
+    from dataclasses import asdict
+
+    from kvloom.benchmarks import suite
+    from kvloom.benchmarks.harness import BenchSettings
+
+    def fake_run(workload, systems, settings, out_dir, label, budget_s=None):
+        results = []
+        for i, spec in enumerate(systems):
+            recs = [record(r.request_id, r.arrival_s, [r.arrival_s + 1 + i + k * 0.1 for k in range(r.max_tokens)],
+                           len(r.prompt)) for r in workload.requests[: spec.num_requests]]
+            m = summarize(spec.name, recs, 10.0 + i, peak_rss_mb=3000.0, prefix_hit_rate=0.5)
+            results.append({"spec": asdict(spec), "status": "ok", "metrics": asdict(m), "requests": [],
+                            "outputs": {}, "elapsed_s": 1.0, "steps": []})
+        return {"label": label, "workload": workload.name, "params": workload.params,
+                "num_requests": len(workload.requests), "output_tokens": workload.num_output_tokens,
+                "results": results, "equality": {}}
+
+    machine = {"decode_rate": 1e11, "prefill_rate": 2e11, "decode_m": 64, "prefill_m": 256, "rate_m32": 9e10,
+               "prefill_flops": 4e12, "decode_flops": 3e12, "roofline_s": 30.0, "weights_mb": 513.0, "probes": []}
+    monkeypatch.setattr(suite, "run_systems", fake_run)
+    monkeypatch.setattr(suite, "machine_section", lambda *args: machine)
+    monkeypatch.setattr(suite, "default_corpus", lambda model: corpus)
+    monkeypatch.setattr(suite, "OUT_ROOT", tmp_path / "scratch")
+    (tmp_path / "scratch" / "suite").mkdir(parents=True)
+    md = suite.run_suite(BenchSettings(), tmp_path / "results").read_text()
+    for heading in ("## Goals", "## W1", "## Roofline", "## `chat`", "## long-prefill", "## shared-prefix",
+                    "## Sweep of `max_num_seqs`"):
+        assert heading in md
+    assert "hf-static-32" in md
+    committed = json.loads((tmp_path / "results" / "cpu.json").read_text())
+    assert all(r["outputs"] == {} and r["steps"] == [] for r in committed["w1"]["results"])
+    assert len(list((tmp_path / "results").glob("*.png"))) >= 10
+
+
+def test_time_budget_keeps_a_reserve_for_every_system_still_to_run(tmp_path, monkeypatch, corpus):
+    from kvloom.benchmarks import bench
+    from kvloom.benchmarks.harness import BenchSettings
+
+    limits = []
+
+    def fake_isolated(spec, path, settings, out_dir, limit_s):
+        limits.append(limit_s)
+        return SystemResult(spec, "ok", None, [], {}, 0.0)
+
+    monkeypatch.setattr(bench, "run_isolated", fake_isolated)
+    systems = bench.make_systems(["static", "continuous"], ["hf-cb"])
+    assert [s.name for s in systems] == ["continuous", "hf-cb", "static"]  # reference and peers first
+    workload = make_workload("offline-mixed", corpus, num_requests=2)
+    bench.run_systems(workload, systems, BenchSettings(timeout_s=1000), tmp_path, budget_s=300)
+    assert limits == pytest.approx([300 - 2 * bench.RESERVE_S, 300 - bench.RESERVE_S, 300], abs=1)
+    bench.run_systems(workload, systems, BenchSettings(timeout_s=100), tmp_path, budget_s=300)
+    assert limits[3:] == [100, 100, 100]  # the per-system limit still applies
