@@ -110,3 +110,27 @@ def test_killed_decode_replica_ends_request_clearly_and_frees_prefill(disagg):
         assert time.monotonic() < deadline
         time.sleep(0.5)
     wait_until_idle(router, 10)
+
+
+def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disagg):
+    base, router = disagg
+    body = {"model": "smollm2", "prompt": PROMPTS[2] * 4, "max_tokens": 8, "temperature": 0}
+    with httpx.Client(timeout=180) as client:
+        import threading
+
+        result = {}
+        sender = threading.Thread(target=lambda: result.update(r=client.post(f"{base}/v1/completions", json=body)))
+        sender.start()
+        time.sleep(0.5)  # the long prompt is being prefilled (or handed off) now
+        prefill_id = by_role(router)["prefill"]["replica_id"]
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::kvloom#PrefillReplica#{prefill_id}", namespace="serve"),
+                 no_restart=True)
+        sender.join(timeout=170)
+    assert not sender.is_alive(), "client hung"
+    response = result["r"]
+    assert response.status_code == 200 or "replica failed" in response.json()["error"]["message"]
+    deadline = time.monotonic() + 120
+    while set(by_role(router)) != {"prefill", "decode"}:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    wait_until_idle(router, 10)
