@@ -1,13 +1,17 @@
 """Shared fixtures: the embedded SmolLM2 model, a tiny random GQA Llama, and greedy references."""
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
-
+# Before torch starts its thread pool: idle OpenMP threads sleep instead of spinning, so a busy
+# machine (several Ray replicas, other jobs) does not make every GEMM wait on a descheduled spinner.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 
 def build_tiny_llama(path: Path, seed: int = 0) -> Path:
