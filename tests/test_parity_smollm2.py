@@ -12,7 +12,7 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.runner import kv_bytes_per_token
 from kvloom.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transformers 16x64 steps
 MAX_NEW = 64
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 
