@@ -99,22 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 
-    import ray
-    from ray import serve
-
-    from kvloom.benchmarks.fairness import free_port
+    from kvloom.benchmarks.local_serve import local_serve
     from kvloom.cluster.app import deploy
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.monotonic()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        results = run_all(f"http://127.0.0.1:{port}", lambda config: deploy(config))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve() as base:
+        results = run_all(base, deploy)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "wall_s": time.monotonic() - started}
     write_report(results, meta, args.out)
     print(f"[disagg] report: {args.out / 'disagg.md'}")

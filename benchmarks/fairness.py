@@ -22,7 +22,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -448,12 +447,6 @@ def notes(results: dict) -> list[str]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.fairness", description=__doc__.split("\n")[0])
     parser.add_argument("--phase-s", type=float, default=Params.phase_s)
@@ -473,22 +466,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import platform
 
-    import ray
-    from ray import serve
-
+    from kvloom.benchmarks.local_serve import local_serve
     from kvloom.cluster.app import deploy
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.monotonic()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+    with local_serve() as base:
         router = deploy(cluster_config(params, {"policy": "fair"}, {"A": 1.0, "B": 1.0}))
-        results = asyncio.run(benchmark(f"http://127.0.0.1:{port}", router, params))
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+        results = asyncio.run(benchmark(base, router, params))
     results["machine"] = f"{platform.machine()}, {os.cpu_count()} cores"
     results["wall_s"] = time.monotonic() - started
     results["notes"] = notes(results)
