@@ -12,6 +12,8 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
+import ray.exceptions
+
 from kvloom.router.replica_table import ReplicaState, ReplicaTable
 
 DECODE_WAIT_S = 0.01
@@ -67,6 +69,9 @@ class HandoffStream:
         try:
             async for chunk in self._decode(decode, first["token_ids"][0]):
                 yield chunk
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            owner.decode_table.drop(decode.replica_id)  # don't route more hand-offs to it
+            raise
         finally:
             owner.decode_table.give_back(decode)
             self._release_prefill()

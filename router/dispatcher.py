@@ -97,11 +97,14 @@ class Dispatcher:
                 if streamed:
                     raise APIError(500, f"replica failed mid-stream after partial output: {type(exc).__name__}",
                                    code="replica_failed") from exc
+            except ray.exceptions.RayError as exc:  # the replica raised (e.g. a KV hand-off timed out)
+                logger.warning("replica %s errored on %s: %r", replica.replica_id, job.request_id, exc)
+                raise APIError(500, f"replica failed: {type(exc).__name__}", code="replica_failed") from exc
             finally:
                 if not finished:
                     response.cancel()
                 self.admission.release(replica, ticket)
-        raise APIError(500, f"request failed on {self.max_retries + 1} replicas", code="replica_failed")
+        raise APIError(500, f"replica failed on each of {self.max_retries + 1} attempts", code="replica_failed")
 
     async def _observed(self, job: Job, ticket: Ticket, response) -> AsyncIterator[dict]:
         """Account every streamed token to the tenant as it passes (aborted requests count too)."""

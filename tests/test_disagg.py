@@ -105,11 +105,15 @@ def test_killed_decode_replica_ends_request_clearly_and_frees_prefill(disagg):
                     ray.kill(ray.get_actor(f"SERVE_REPLICA::kvloom#DecodeReplica#{decode_id}", namespace="serve"),
                              no_restart=True)
     assert events[-1] == "[DONE]" and any('"error"' in e for e in events)
-    deadline = time.monotonic() + 120  # Serve replaces the decode replica; nothing stays held
-    while set(by_role(router)) != {"prefill", "decode"}:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_for_replacement(router, "decode", decode_id)  # Serve replaces it; nothing stays held
     wait_until_idle(router, 10)
+
+
+def wait_for_replacement(router, role: str, dead_id: str) -> None:
+    deadline = time.monotonic() + 120
+    while by_role(router).get(role, {}).get("replica_id") in (None, dead_id):
+        assert time.monotonic() < deadline, f"{role} replica was not replaced"
+        time.sleep(0.5)
 
 
 def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disagg):
@@ -129,8 +133,5 @@ def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disa
     assert not sender.is_alive(), "client hung"
     response = result["r"]
     assert response.status_code == 200 or "replica failed" in response.json()["error"]["message"]
-    deadline = time.monotonic() + 120
-    while set(by_role(router)) != {"prefill", "decode"}:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    wait_for_replacement(router, "prefill", prefill_id)
     wait_until_idle(router, 10)
