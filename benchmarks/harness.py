@@ -31,7 +31,7 @@ class BenchSettings:
 
     model: str = "smollm2"
     threads: int = 2
-    max_num_seqs: int = 32  # kvloom max_num_seqs; hf-cb max_requests_per_batch
+    max_num_seqs: int = 64  # kvloom max_num_seqs; hf-cb max_requests_per_batch
     max_num_batched_tokens: int = 2048  # kvloom token budget per step; hf-cb max_batch_tokens
     kv_cache_memory_bytes: int = 2 << 30  # kvloom KV budget; hf-cb gets as many pages of the same bytes
     enable_prefix_caching: bool = True

@@ -261,16 +261,19 @@ def roofline_section(machine: dict, run: dict, system: str) -> str:
     lines = [
         "## Roofline",
         f"fp32 GEMM with the model's weight shapes, {run['workload']} FLOPs counted from its tokens:",
-        f"- GEMM rate at M={machine['decode_m']} (decoder linears + LM head): {machine['decode_rate'] / 1e9:.1f} GFLOP/s; "
+        f"- GEMM rate at M={machine['decode_m']} (decoder linears + LM head): "
+        f"{machine['decode_rate'] / 1e9:.1f} GFLOP/s; "
         f"at M={machine['prefill_m']} (decoder linears): {machine['prefill_rate'] / 1e9:.1f} GFLOP/s; "
         f"at M=32: {machine['rate_m32'] / 1e9:.1f} GFLOP/s",
-        f"- model FLOPs: prefill {machine['prefill_flops'] / 1e12:.2f} TFLOP, decode {machine['decode_flops'] / 1e12:.2f} TFLOP",
+        f"- model FLOPs: prefill {machine['prefill_flops'] / 1e12:.2f} TFLOP, "
+        f"decode {machine['decode_flops'] / 1e12:.2f} TFLOP",
         f"- compute roofline {machine['roofline_s']:.1f} s; `{system}` wall {_fmt(wall, '.1f')} s = "
         f"**{_fmt(wall / machine['roofline_s'] if wall else None, '.2f')}x roofline**",
         "",
         f"Decode probes: the decode-only steps of `{system}`'s run at batch 64 (and 28-36), FLOPs counted per step.",
         "",
-        "| probe | steps | mean context | step ms | forward ms | outside forward | GFLOP/s | GEMM GFLOP/s at M | efficiency |",
+        "| probe | steps | mean context | step ms | forward ms | outside forward | GFLOP/s | GEMM GFLOP/s at M "
+        "| efficiency |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for p in machine.get("probes", []):

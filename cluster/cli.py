@@ -164,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "benchmarks/results/fairness.md unless --out)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--num-requests", type=int, default=None, help="override the workload's request count")
-    bench.add_argument("--rates", type=_csv(float), default=[], help="request rates (req/s), one run each, e.g. 0.1,0.2,0.4")
+    bench.add_argument("--rates", type=_csv(float), default=[],
+                       help="request rates (req/s), one run each, e.g. 0.1,0.2,0.4")
     bench.add_argument("--strategies", type=_csv(str), default=DEFAULT_STRATEGIES,
                        help=f"kvloom strategies (default: {','.join(DEFAULT_STRATEGIES)})")
     bench.add_argument("--peers", type=_csv(str), default=DEFAULT_PEERS, help="hf-static,hf-cb (empty: none)")

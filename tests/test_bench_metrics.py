@@ -224,7 +224,8 @@ def test_decode_probe_uses_decode_only_steps_near_the_batch():
                 "forward_s": 0.9 * step_s}
 
     shape = ModelShape(**SMOLLM2)
-    steps = [step(64, 2000, 9000, 5.0), step(64, 64, 64 * 300, 1.0), step(64, 64, 64 * 310, 1.2), step(30, 30, 30 * 400, 0.5)]
+    steps = [step(64, 2000, 9000, 5.0), step(64, 64, 64 * 300, 1.0), step(64, 64, 64 * 310, 1.2),
+             step(30, 30, 30 * 400, 0.5)]
     probe = decode_probe(steps, shape, 64)
     assert probe.num_steps == 2 and probe.step_s == pytest.approx(1.1) and probe.context == pytest.approx(305)
     expected = 64 * (2 * shape.linear_params + 2 * 576 * 49152) + 4 * 9 * 64 * 30 * 64 * 305
@@ -266,29 +267,33 @@ def test_goals_compare_the_right_systems_and_say_when_unmeasured():
     assert prefix_goal(shared, "on", "off").met and "3.00x" in prefix_goal(shared, "on", "off").measured
 
 
-def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpus):
-    """The hour-long suite must not die at the end: drive it with instant fake systems."""
+def fake_run_systems(workload, systems, settings, out_dir, label, budget_s=None) -> dict:
+    """run_systems without running anything: each system is a little slower than the one before."""
     from dataclasses import asdict
 
+    results = []
+    for i, spec in enumerate(systems):
+        recs = [record(r.request_id, r.arrival_s, [r.arrival_s + 1 + i + k * 0.1 for k in range(r.max_tokens)],
+                       len(r.prompt)) for r in workload.requests[: spec.num_requests]]
+        m = summarize(spec.name, recs, 10.0 + i, peak_rss_mb=3000.0, prefix_hit_rate=0.5)
+        results.append({"spec": asdict(spec), "status": "ok", "metrics": asdict(m), "requests": [],
+                        "outputs": {}, "elapsed_s": 1.0, "steps": []})
+    return {"label": label, "workload": workload.name, "params": workload.params,
+            "num_requests": len(workload.requests), "output_tokens": workload.num_output_tokens,
+            "results": results, "equality": {}}
+
+
+MACHINE = {"decode_rate": 1e11, "prefill_rate": 2e11, "decode_m": 64, "prefill_m": 256, "rate_m32": 9e10,
+           "prefill_flops": 4e12, "decode_flops": 3e12, "roofline_s": 30.0, "weights_mb": 513.0, "probes": []}
+
+
+def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpus):
+    """The hour-long suite must not die at the end: drive it with instant fake systems."""
     from kvloom.benchmarks import suite
     from kvloom.benchmarks.harness import BenchSettings
 
-    def fake_run(workload, systems, settings, out_dir, label, budget_s=None):
-        results = []
-        for i, spec in enumerate(systems):
-            recs = [record(r.request_id, r.arrival_s, [r.arrival_s + 1 + i + k * 0.1 for k in range(r.max_tokens)],
-                           len(r.prompt)) for r in workload.requests[: spec.num_requests]]
-            m = summarize(spec.name, recs, 10.0 + i, peak_rss_mb=3000.0, prefix_hit_rate=0.5)
-            results.append({"spec": asdict(spec), "status": "ok", "metrics": asdict(m), "requests": [],
-                            "outputs": {}, "elapsed_s": 1.0, "steps": []})
-        return {"label": label, "workload": workload.name, "params": workload.params,
-                "num_requests": len(workload.requests), "output_tokens": workload.num_output_tokens,
-                "results": results, "equality": {}}
-
-    machine = {"decode_rate": 1e11, "prefill_rate": 2e11, "decode_m": 64, "prefill_m": 256, "rate_m32": 9e10,
-               "prefill_flops": 4e12, "decode_flops": 3e12, "roofline_s": 30.0, "weights_mb": 513.0, "probes": []}
-    monkeypatch.setattr(suite, "run_systems", fake_run)
-    monkeypatch.setattr(suite, "machine_section", lambda *args: machine)
+    monkeypatch.setattr(suite, "run_systems", fake_run_systems)
+    monkeypatch.setattr(suite, "machine_section", lambda *args: MACHINE)
     monkeypatch.setattr(suite, "default_corpus", lambda model: corpus)
     monkeypatch.setattr(suite, "OUT_ROOT", tmp_path / "scratch")
     (tmp_path / "scratch" / "suite").mkdir(parents=True)
@@ -320,3 +325,23 @@ def test_time_budget_keeps_a_reserve_for_every_system_still_to_run(tmp_path, mon
     assert limits == pytest.approx([300 - 2 * bench.RESERVE_S, 300 - bench.RESERVE_S, 300], abs=1)
     bench.run_systems(workload, systems, BenchSettings(timeout_s=100), tmp_path, budget_s=300)
     assert limits[3:] == [100, 100, 100]  # the per-system limit still applies
+
+
+@pytest.mark.parametrize("extra", [{"sweep": "max_num_seqs=1,4,16"}, {"rates": [0.5, 1.0], "workload": "chat"}, {}])
+def test_bench_command_writes_json_markdown_and_plots(tmp_path, monkeypatch, corpus, extra):
+    from kvloom.benchmarks import command
+    from kvloom.benchmarks.command import BenchOptions
+
+    monkeypatch.setattr(command, "run_systems", fake_run_systems)
+    monkeypatch.setattr(command, "machine_section", lambda *args: MACHINE)
+    monkeypatch.setattr(command, "default_corpus", lambda model: corpus)
+    md = command.run_bench(BenchOptions(out=tmp_path, tpot_budget_ms=1e6, **extra)).read_text()
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    if "sweep" in extra:
+        assert doc["sweep"]["best"]["value"] == 1 and "**max_num_seqs=1**" in md  # the fakes slow down with i
+        assert (tmp_path / "bench-tradeoff.png").exists() and "machine" not in doc
+    elif "rates" in extra:
+        assert [run["params"]["rate"] for run in doc["runs"]] == [0.5, 1.0] and (tmp_path / "bench-rates.png").exists()
+    else:
+        assert [r["spec"]["name"] for r in doc["runs"][0]["results"]][:2] == ["continuous", "hf-cb"]
+        assert "## Roofline" in md and (tmp_path / "bench-throughput.png").exists()
