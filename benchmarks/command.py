@@ -39,7 +39,7 @@ def machine_section(run: dict, run_dir: Path, system: str, settings: BenchSettin
     machine = in_fresh_process(machine_report, settings.model, str(run_dir / f"{run['workload']}.jsonl"),
                                settings.threads)
     result = system_result(run, system)
-    machine["probes"] = engine_probes(machine, result["steps"] if result else [])
+    machine["probes"] = engine_probes(machine, result["steps"] if result else [], settings.threads)
     return machine
 
 

@@ -68,6 +68,7 @@ class StepSample:
     context_tokens: int
     step_s: float
     forward_s: float
+    cpu_s: float  # process CPU time of the step (all threads): what it cost, whatever the neighbours did
     kv_usage: float
 
 
@@ -102,7 +103,8 @@ def warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def replay(engine: LLMEngine, workload: Workload, on_finish: Callable[[RequestRecord], None] | None = None) -> ReplayResult:
+def replay(engine: LLMEngine, workload: Workload,
+           on_finish: Callable[[RequestRecord], None] | None = None) -> ReplayResult:
     """Drive `engine` through `workload` in real time; greedy, EOS ignored, outputs forced to max_tokens."""
     timer = ForwardTimer(engine)
     before = engine.stats()
@@ -122,16 +124,16 @@ def replay(engine: LLMEngine, workload: Workload, on_finish: Callable[[RequestRe
             time.sleep(max(0.0, t0 + pending[-1].arrival_s - time.monotonic()))
             continue
         timer.last_s = 0.0
-        start = time.monotonic()
+        start, cpu = time.monotonic(), time.process_time()
         outputs = engine.step()
-        end = time.monotonic()
+        end, cpu = time.monotonic(), time.process_time() - cpu
         if timer.last_s == 0.0:  # nothing scheduled (a batch waiting to fill): do not spin
             time.sleep(0.001)
             continue
         stats = engine.stats()
         shape = timer.last
         steps.append(StepSample(end - t0, shape.batch_size, shape.num_tokens, shape.context_tokens, end - start,
-                                timer.last_s, 1 - stats.num_free_blocks / stats.num_blocks))
+                                timer.last_s, cpu, 1 - stats.num_free_blocks / stats.num_blocks))
         for out in outputs:
             token_times[out.request_id].extend([end] * len(out.outputs[0].delta_token_ids))
             if out.finished:

@@ -248,6 +248,10 @@ def sweep_section(sweep: dict, out_dir: Path, stem: str) -> str:
         rows.append(f"| {p['value']} | {_fmt(p['output_tok_s'], '.1f')} | {_fmt(p['tpot_p99_s'], '.0f', 1000)} | "
                     f"{_fmt(p['ttft_p99_s'], '.1f')} | {_fmt(p['mean_batch_size'], '.1f')} |")
     best = sweep.get("best")
+    same = [p["value"] for p in sweep["points"] if p["value"] >= sweep.get("num_requests", float("inf"))]
+    if len(same) > 1:
+        rows.append(f"\n{', '.join(map(str, same))} are at least the workload's {sweep['num_requests']} requests: "
+                    "they schedule identically, so their difference is noise.")
     verdict = (f"Best setting within a p99 TPOT budget of {sweep['tpot_budget_s'] * 1000:.0f} ms: "
                f"**{sweep['param']}={best['value']}** ({best['output_tok_s']:.1f} out tok/s, p99 TPOT "
                f"{best['tpot_p99_s'] * 1000:.0f} ms)." if best else
@@ -270,16 +274,19 @@ def roofline_section(machine: dict, run: dict, system: str) -> str:
         f"- compute roofline {machine['roofline_s']:.1f} s; `{system}` wall {_fmt(wall, '.1f')} s = "
         f"**{_fmt(wall / machine['roofline_s'] if wall else None, '.2f')}x roofline**",
         "",
-        f"Decode probes: the decode-only steps of `{system}`'s run at batch 64 (and 28-36), FLOPs counted per step.",
+        f"Decode probes: the decode-only steps of `{system}`'s run at batch 64 (and 28-36), FLOPs counted per "
+        "step; \"by CPU time\" takes the step's CPU time over its threads as its duration (what it would take "
+        "with the cores to itself).",
         "",
-        "| probe | steps | mean context | step ms | forward ms | outside forward | GFLOP/s | GEMM GFLOP/s at M "
-        "| efficiency |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| probe | steps | mean context | step ms | forward ms | outside forward | CPU ms | GFLOP/s "
+        "| GEMM GFLOP/s at M | efficiency | by CPU time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in machine.get("probes", []):
         lines.append(f"| batch {p['batch']:.1f} | {p['num_steps']} | {p['context']:.0f} | {p['step_s'] * 1000:.0f} | "
-                     f"{p['forward_s'] * 1000:.0f} | {p['overhead']:.1%} | {p['flops_per_s'] / 1e9:.1f} | "
-                     f"{p['gemm_rate'] / 1e9:.1f} | {p['efficiency']:.0%} |")
+                     f"{p['forward_s'] * 1000:.0f} | {p['overhead']:.1%} | {_fmt(p.get('cpu_s'), '.0f', 1000)} | "
+                     f"{p['flops_per_s'] / 1e9:.1f} | {p['gemm_rate'] / 1e9:.1f} | {p['efficiency']:.0%} | "
+                     f"{_pct(p.get('cpu_efficiency'))} |")
     return "\n".join(lines)
 
 

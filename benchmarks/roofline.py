@@ -132,11 +132,16 @@ class DecodeProbe:
     num_steps: int
     step_s: float  # mean wall time of engine.step()
     forward_s: float  # mean time inside runner.execute
+    cpu_s: float  # mean process CPU time of a step, all threads
     flops_per_step: float
 
     @property
     def flops_per_s(self) -> float:
         return self.flops_per_step / self.step_s
+
+    def flops_per_cpu_s(self, threads: int) -> float:
+        """FLOP/s had the step had its threads' cores to itself (CPU time / threads as its duration)."""
+        return self.flops_per_step / (self.cpu_s / threads)
 
     @property
     def overhead(self) -> float:
@@ -154,7 +159,8 @@ def decode_probe(steps: list[dict], shape: ModelShape, batch: int, tolerance: in
                 + 4 * shape.heads * shape.head_dim * shape.layers * s["context_tokens"] for s in chosen)
     return DecodeProbe(sum(s["batch_size"] for s in chosen) / n,
                        sum(s["context_tokens"] / s["batch_size"] for s in chosen) / n, n,
-                       sum(s["step_s"] for s in chosen) / n, sum(s["forward_s"] for s in chosen) / n, flops / n)
+                       sum(s["step_s"] for s in chosen) / n, sum(s["forward_s"] for s in chosen) / n,
+                       sum(s["cpu_s"] for s in chosen) / n, flops / n)
 
 
 def machine_report(model: str, workload_path: str, threads: int) -> dict:
@@ -178,7 +184,7 @@ def machine_report(model: str, workload_path: str, threads: int) -> dict:
             "shape": asdict(shape)}
 
 
-def engine_probes(machine: dict, steps: list[dict]) -> list[dict]:
+def engine_probes(machine: dict, steps: list[dict], threads: int) -> list[dict]:
     """Decode probes at batch 64 and about 32 from a run's steps, against the GEMM rate at the same M."""
     shape = ModelShape(**machine["shape"])
     probes = []
@@ -186,5 +192,6 @@ def engine_probes(machine: dict, steps: list[dict]) -> list[dict]:
         probe = decode_probe(steps, shape, batch, tolerance)
         if probe:
             probes.append({**asdict(probe), "target_batch": batch, "flops_per_s": probe.flops_per_s,
-                           "overhead": probe.overhead, "gemm_rate": rate, "efficiency": probe.flops_per_s / rate})
+                           "overhead": probe.overhead, "gemm_rate": rate, "efficiency": probe.flops_per_s / rate,
+                           "cpu_efficiency": probe.flops_per_cpu_s(threads) / rate})
     return probes

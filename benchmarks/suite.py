@@ -84,7 +84,8 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
 
 def _markdown(doc: dict, out: Path) -> str:
     machine, w1 = doc["machine"], doc["w1"]
-    goals = (w1_goals(w1, machine, doc["environment"]["settings"]["kv_cache_memory_bytes"])
+    settings = doc["environment"]["settings"]
+    goals = (w1_goals(w1, machine, settings["kv_cache_memory_bytes"], settings["threads"])
              + [chat_goal(doc["chat"]), long_prefill_goal(doc["long_prefill"]),
                 prefix_goal(doc["shared_prefix"], "continuous", NO_PREFIX)])
     return "\n\n".join([
@@ -120,7 +121,6 @@ def _without_outputs(doc: dict) -> dict:
 def run_suite(settings: BenchSettings, out: Path | None = None) -> Path:
     out = out or RESULTS_DIR
     scratch = OUT_ROOT / "suite"
-    out.mkdir(parents=True, exist_ok=True)
     doc = {"environment": environment(settings), **_studies(settings, scratch)}
     (scratch / "cpu-full.json").write_text(json.dumps(doc))
     return render_suite(doc, out)
@@ -128,6 +128,7 @@ def run_suite(settings: BenchSettings, out: Path | None = None) -> Path:
 
 def render_suite(doc: dict, out: Path) -> Path:
     """Write cpu.md, its PNGs and cpu.json from a suite result (also usable on a saved cpu-full.json)."""
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "cpu.md"
     path.write_text(_markdown(doc, out))
     (out / "cpu.json").write_text(json.dumps(_without_outputs(doc), indent=1))

@@ -30,4 +30,5 @@ def summarize_sweep(run: dict, param: str, values: list[int], tpot_budget_s: flo
     within = [p for p in points if p["output_tok_s"] and p["tpot_p99_s"] is not None
               and p["tpot_p99_s"] <= tpot_budget_s]
     best = max(within, key=lambda p: p["output_tok_s"], default=None)
-    return {"label": run["label"], "param": param, "tpot_budget_s": tpot_budget_s, "points": points, "best": best}
+    return {"label": run["label"], "param": param, "tpot_budget_s": tpot_budget_s, "points": points, "best": best,
+            "num_requests": run["num_requests"] if param == "max_num_seqs" else None}

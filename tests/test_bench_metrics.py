@@ -141,7 +141,7 @@ def test_sweep_parsing_and_best_setting_under_budget():
         m = {"output_tok_s": tok_s, "tpot": {"p99": tpot}, "ttft": {"p99": 1.0}, "mean_batch_size": value}
         return {"spec": {"name": f"max_num_seqs={value}"}, "metrics": m}
 
-    run = {"label": "x", "results": [result(1, 10, 0.05), result(4, 30, 0.1), result(16, 50, 0.3)]}
+    run = {"label": "x", "num_requests": 8, "results": [result(1, 10, 0.05), result(4, 30, 0.1), result(16, 50, 0.3)]}
     sweep = summarize_sweep(run, "max_num_seqs", [1, 4, 16], tpot_budget_s=0.2)
     assert sweep["best"]["value"] == 4
     assert summarize_sweep(run, "max_num_seqs", [1, 4, 16], tpot_budget_s=0.01)["best"] is None
@@ -221,7 +221,7 @@ def test_decode_probe_uses_decode_only_steps_near_the_batch():
 
     def step(batch: int, tokens: int, context: int, step_s: float) -> dict:
         return {"batch_size": batch, "num_tokens": tokens, "context_tokens": context, "step_s": step_s,
-                "forward_s": 0.9 * step_s}
+                "forward_s": 0.9 * step_s, "cpu_s": step_s}
 
     shape = ModelShape(**SMOLLM2)
     steps = [step(64, 2000, 9000, 5.0), step(64, 64, 64 * 300, 1.0), step(64, 64, 64 * 310, 1.2),
@@ -231,6 +231,7 @@ def test_decode_probe_uses_decode_only_steps_near_the_batch():
     expected = 64 * (2 * shape.linear_params + 2 * 576 * 49152) + 4 * 9 * 64 * 30 * 64 * 305
     assert probe.flops_per_step == pytest.approx(expected)
     assert probe.overhead == pytest.approx(0.1)
+    assert probe.flops_per_cpu_s(threads=2) == pytest.approx(2 * probe.flops_per_s)
     assert decode_probe(steps, shape, 32, tolerance=4).num_steps == 1
     assert decode_probe(steps, shape, 8) is None
 
@@ -251,7 +252,7 @@ def test_goals_compare_the_right_systems_and_say_when_unmeasured():
          "step_s": 1.0, "forward_s": 0.99},
         {"target_batch": 32, "efficiency": 0.5, "flops_per_s": 5e10, "gemm_rate": 1e11, "overhead": 0.2,
          "step_s": 0.5, "forward_s": 0.4}]}
-    goals = {g.name: g for g in w1_goals(w1, machine, 2 << 30)}
+    goals = {g.name: g for g in w1_goals(w1, machine, 2 << 30, threads=2)}
     assert goals["W1 throughput vs peers"].met and "hf-cb" in goals["W1 throughput vs peers"].measured
     assert goals["W1 vs compute roofline"].met is False  # 2.5x
     assert goals["decode efficiency at batch 64"].met is False
