@@ -29,8 +29,10 @@ def decode_path(request, monkeypatch):
         monkeypatch.setattr(cpu_attention, "decode_extension", lambda: None)
     return request.param
 
-# (num_heads, num_kv_heads, head_dim): the tiny test model's GQA shape and a 9/3 GQA with head_dim 64
-HEAD_SHAPES = [(4, 2, 16), (9, 3, 64)]
+# (num_heads, num_kv_heads, head_dim): the tiny test model's GQA shape, SmolLM2's 9/3 GQA with head_dim
+# 64, the kernel's widest group (8) and head_dim 128 without GQA; head_dim 24 is not compiled into the
+# kernel, so the "cpp-kernel" path must notice and fall back
+HEAD_SHAPES = [(4, 2, 16), (9, 3, 64), (8, 1, 32), (2, 2, 128), (3, 1, 24)]
 
 
 class Case:
