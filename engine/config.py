@@ -28,6 +28,8 @@ class EngineConfig(BaseModel):
     max_wait_ms: float = Field(50.0, ge=0, description="dynamic batching: longest a bucket waits to fill")
     bucket_width: int = Field(64, ge=1, description="dynamic batching: prompt-length bucket width")
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = "auto"
+    # auto: kvloom's fused decoder (engine/decoder.py) where the architecture allows, else transformers'
+    model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     seed: int = 0
 
     @field_validator("block_size")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.kv_cache_manager import KVCacheManager
@@ -65,6 +66,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
+        self.fused = self._fused_decoder()
         hf_config = self.model.config
         self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
         if self.max_model_len > hf_config.max_position_embeddings:
@@ -76,7 +78,8 @@ class LLMEngine:
         self.num_blocks = self._num_blocks(kv_bytes_per_token(hf_config, self.dtype))
         self._validate_limits()
         backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.dtype, self.device,
+                                  self.fused)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
@@ -101,6 +104,16 @@ class LLMEngine:
                 ids.update(value)
         return ids
 
+    def _fused_decoder(self) -> FusedDecoder | None:
+        impl = self.config.model_impl
+        if impl == "transformers":
+            return None
+        fused = FusedDecoder.build(self.model)
+        if fused is None and impl == "kvloom":
+            raise ConfigError("model_impl", f"kvloom's fused decoder does not cover {self.model.config.model_type} "
+                                            "models like this one; use auto or transformers")
+        return fused
+
     def _num_blocks(self, bytes_per_token: int) -> int:
         block_bytes = bytes_per_token * self.block_size
         budget = self.config.kv_cache_memory_bytes
@@ -123,7 +136,7 @@ class LLMEngine:
         blocks = -(-tokens // self.block_size)
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = ModelRunner(self.model, select_backend(self.config.attention_backend, self.device), blocks,
-                             self.block_size, self.dtype, self.device)
+                             self.block_size, self.dtype, self.device, self.fused)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
         probe.block_ids = list(range(blocks))
         runner.execute([(probe, tokens)], {"profile": torch.Generator(self.device)})

@@ -1,16 +1,16 @@
 """ModelRunner: owns the model and the paged KV cache; turns a scheduled step into sampled tokens.
 
 A step is one flattened sequence of every scheduled request's new tokens (no padding): positions,
-slot mapping and block tables come from the requests' progress, the stock model runs with paged
-attention plugged in, and only the rows that end a request's known tokens reach the LM head.
+slot mapping and block tables come from the requests' progress, kvloom's fused decoder (or the
+stock model with paged attention plugged in) runs it, and only the rows that end a request's known
+tokens reach the LM head.
 """
-
-import ctypes
-import sys
 
 import torch
 
 from kvloom.engine.attention import ForwardContext
+from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.host_memory import advise_huge_pages
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
 from kvloom.kernels.backends import AttentionBackend
@@ -23,31 +23,25 @@ def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     return per_layer * hf_config.num_hidden_layers
 
 
-MADV_HUGEPAGE = 14  # Linux
-HUGE_PAGE = 2 << 20
-
-
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """One layer's K or V cache, zeroed (every page faulted in now, not inside a decode step).
 
-    On Linux CPU hosts it asks for transparent huge pages first: decode attention reads scattered
-    blocks, and with 4 KB pages nearly every block costs TLB misses (~8% of the kernel, measured).
+    On CPU it asks for transparent huge pages first: decode attention reads scattered blocks, and
+    with 4 KB pages nearly every block costs TLB misses (~8% of the kernel, measured).
     """
     cache = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and sys.platform == "linux":
-        start = -(-cache.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-        end = (cache.data_ptr() + cache.numel() * cache.element_size()) // HUGE_PAGE * HUGE_PAGE
-        if end > start:  # advice only: where the kernel says no, pages are simply small
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+    advise_huge_pages(cache)
     return cache.zero_()
 
 
 class ModelRunner:
     def __init__(
         self, model, backend: AttentionBackend, num_blocks: int, block_size: int,
-        dtype: torch.dtype, device: torch.device,
+        dtype: torch.dtype, device: torch.device, fused: FusedDecoder | None = None,
     ) -> None:
+        """`fused`: kvloom's own forward over the model's weights; None runs the stock forward."""
         self.model = model
+        self.fused = fused
         self.backend = backend
         self.block_size = block_size
         self.device = device
@@ -84,12 +78,13 @@ class ModelRunner:
                 sample_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         context = ForwardContext(meta, self.kv_caches, self.backend)
-        hidden = self.decoder(
-            input_ids=torch.tensor([input_ids], device=self.device),
-            position_ids=torch.tensor([positions], device=self.device),
-            use_cache=False,
-            kvloom_context=context,
-        ).last_hidden_state[0]
+        ids = torch.tensor(input_ids, device=self.device)
+        pos = torch.tensor(positions, device=self.device)
+        if self.fused is not None:
+            hidden = self.fused(ids, pos, context)
+        else:
+            hidden = self.decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False,
+                                  kvloom_context=context).last_hidden_state[0]
         if not sample_requests:
             return {}
         logits = self.lm_head(hidden[sample_rows])

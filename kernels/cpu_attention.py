@@ -9,33 +9,21 @@ falls back to one gathered, masked SDPA call. Prefill chunks are few per step an
 compute-heavy, so each gets its own causal SDPA call over its cached prefix.
 """
 
-import functools
-import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from kvloom.kernels.cpu_extensions import build_extension
 from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.reference import gather_kv, write_kv
 
 __all__ = ["write_kv", "paged_attention", "decode_extension"]
-logger = logging.getLogger(__name__)
 
 
-@functools.cache
 def decode_extension():
-    """The compiled decode kernel, or None (with a warning) where it cannot be built."""
-    from torch.utils.cpp_extension import load
-
-    source = Path(__file__).with_name("cpu_decode.cpp")
-    try:
-        return load("kvloom_cpu_decode", [str(source)],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20"])
-    except Exception as exc:  # no compiler, no ninja, ...: stay correct, just slower
-        logger.warning("kvloom CPU decode kernel unavailable (%s); using the torch fallback", exc)
-        return None
+    """The compiled decode kernel, or None where it cannot be built."""
+    return build_extension("kvloom_cpu_decode", "cpu_decode.cpp")
 
 
 def _decode(

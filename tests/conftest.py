@@ -14,12 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer random Llama with grouped-query attention and a word-level tokenizer."""
+def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama") -> Path:
+    """A 2-layer random Llama-family model (llama, qwen2, qwen3) with grouped-query attention and a
+    word-level tokenizer."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import Whitespace
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 512)}}
     backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
@@ -27,13 +28,13 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    config = AutoConfig.for_model(
+        model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 
@@ -41,6 +42,12 @@ def build_tiny_llama(path: Path, seed: int = 0) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def build_tiny_model():
+    """build_tiny_llama itself, for tests that need another family or seed."""
+    return build_tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -38,9 +38,12 @@ def tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
+@pytest.mark.parametrize("model_impl", ["kvloom", "transformers"])
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-def test_one_concurrent_batch_matches_generate(tiny_model_dir, prompts, expected, drive, backend):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, attention_backend=backend)
+def test_one_concurrent_batch_matches_generate(tiny_model_dir, prompts, expected, drive, backend, model_impl):
+    """Both forwards: kvloom's fused decoder and the stock model with paged attention plugged in."""
+    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, attention_backend=backend, model_impl=model_impl)
+    assert (engine.runner.fused is not None) == (model_impl == "kvloom")
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 

@@ -1,0 +1,53 @@
+"""kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
+
+The fused C++ rotary op equals its torch definition; architectures the decoder covers (Llama,
+Qwen2 with its QKV biases) run fused and match `generate` token for token; one it does not cover
+(Qwen3's per-head q/k norms) runs the stock forward under `auto` and is refused by name under
+`model_impl="kvloom"`.
+"""
+
+import pytest
+import torch
+
+from kvloom.engine.errors import ConfigError
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.sampling import SamplingParams
+from kvloom.kernels import fused_ops
+
+PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
+def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, head_dim):
+    assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
+    torch.manual_seed(0)
+    tokens = 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    angles = torch.rand(tokens, head_dim // 2) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    native = qkv.clone()
+    fused_ops.rotary_embedding_(native, cos, sin, heads + kv_heads, head_dim)
+    monkeypatch.setattr(fused_ops, "fused_extension", lambda: None)
+    defined = qkv.clone()
+    fused_ops.rotary_embedding_(defined, cos, sin, heads + kv_heads, head_dim)
+    torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
+    assert torch.equal(native[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+
+
+@pytest.fixture(scope="module")
+def family_dirs(tmp_path_factory, build_tiny_model):
+    return {kind: build_tiny_model(tmp_path_factory.mktemp(kind), model_type=kind) for kind in ("qwen2", "qwen3")}
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_each_family_matches_generate_under_auto(family_dirs, model_type, greedy_reference, drive):
+    engine = LLMEngine(model=str(family_dirs[model_type]), block_size=4)
+    assert (engine.runner.fused is not None) == (model_type == "qwen2")
+    outputs = drive(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(family_dirs[model_type], PROMPTS, 16)
+
+
+def test_fused_decoder_refuses_an_architecture_it_does_not_cover(family_dirs):
+    with pytest.raises(ConfigError, match="model_impl"):
+        LLMEngine(model=str(family_dirs["qwen3"]), model_impl="kvloom")
