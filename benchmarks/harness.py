@@ -35,6 +35,7 @@ class BenchSettings:
     max_num_batched_tokens: int = 2048  # kvloom token budget per step; hf-cb max_batch_tokens
     kv_cache_memory_bytes: int = 2 << 30  # kvloom KV budget; hf-cb gets as many pages of the same bytes
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # kvloom only: narrower halves the bytes decode attention streams
     timeout_s: float = 600.0
     hf_cb_attention: str = "sdpa"  # the fastest implementation transformers' CB accepts on CPU
 
@@ -77,7 +78,7 @@ def _run_kvloom(spec: SystemSpec, workload: Workload, settings: BenchSettings, o
     shared = {"model": settings.model, "device": "cpu", "max_num_seqs": settings.max_num_seqs,
               "max_num_batched_tokens": settings.max_num_batched_tokens,
               "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
-              "enable_prefix_caching": settings.enable_prefix_caching}
+              "enable_prefix_caching": settings.enable_prefix_caching, "kv_cache_dtype": settings.kv_cache_dtype}
     engine = LLMEngine(strategy_config(spec.strategy, workload, **{**shared, **spec.engine}))
     warm_up(engine)
     loaded = _peak_rss_mb()

@@ -33,6 +33,7 @@ SWEEP = ("max_num_seqs", [1, 4, 16, 64, 256])
 SWEEP_WORKLOAD = {"prompt_len": (16, 128), "output_len": (16, 64)}  # short W1: max_num_seqs=1 stays affordable
 TPOT_BUDGET_S = 0.25
 NO_PREFIX = "continuous, no prefix cache"
+FP16_KV = "continuous, fp16 KV"  # same engine, KV cache stored in float16 (model and math stay float32)
 
 
 METHOD = """## Method
@@ -61,6 +62,7 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
     corpus = default_corpus(settings.model)
     w1 = make_workload("offline-mixed", corpus)
     systems = make_systems(DEFAULT_STRATEGIES, DEFAULT_PEERS, DEFAULT_HF_BATCHES, HF_STATIC_BATCHES, PEER_REQUESTS)
+    systems.append(SystemSpec(FP16_KV, "kvloom", strategy="continuous", engine={"kv_cache_dtype": "float16"}))
     doc = {"w1": run_systems(w1, systems, settings, scratch / "w1", "W1 (offline-mixed)", W1_BUDGET_S)}
     doc["machine"] = machine_section(doc["w1"], scratch / "w1", "continuous", settings)
     chat_systems = [SystemSpec(s, "kvloom", strategy=s) for s in CHAT_STRATEGIES]
@@ -85,7 +87,7 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
 def _markdown(doc: dict, out: Path) -> str:
     machine, w1 = doc["machine"], doc["w1"]
     settings = doc["environment"]["settings"]
-    goals = (w1_goals(w1, machine, settings["kv_cache_memory_bytes"], settings["threads"])
+    goals = (w1_goals(w1, machine, settings["kv_cache_memory_bytes"], settings["threads"], narrow_kv=FP16_KV)
              + [chat_goal(doc["chat"]), long_prefill_goal(doc["long_prefill"]),
                 prefix_goal(doc["shared_prefix"], "continuous", NO_PREFIX)])
     return "\n\n".join([

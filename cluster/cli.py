@@ -113,7 +113,8 @@ def _bench(args: argparse.Namespace) -> int:
     settings = BenchSettings(
         model=args.model, threads=args.threads, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory_bytes=int(args.kv_cache_gib * 2**30),
-        enable_prefix_caching=not args.no_prefix_caching, timeout_s=args.timeout_s,
+        enable_prefix_caching=not args.no_prefix_caching, kv_cache_dtype=args.kv_cache_dtype,
+        timeout_s=args.timeout_s,
     )
     if args.suite:
         from kvloom.benchmarks.suite import run_suite
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-num-batched-tokens", type=int, default=2048)
     bench.add_argument("--kv-cache-gib", type=float, default=2.0)
     bench.add_argument("--no-prefix-caching", action="store_true")
+    bench.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="kvloom's KV cache storage (peers keep the model dtype)")
     bench.add_argument("--timeout-s", type=float, default=600.0, help="limit per system run")
     bench.add_argument("--budget-min", type=float, default=14.0,
                        help="time budget per run (per rate): a system past its share is stopped and its finished "

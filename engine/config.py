@@ -12,6 +12,9 @@ class EngineConfig(BaseModel):
 
     model: str = DEFAULT_MODEL
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    # KV cache storage; auto = the model's dtype. Narrower halves the bytes decode attention streams
+    # and doubles the tokens a budget holds, at the cost of rounding K/V (outputs may drift from fp32)
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     block_size: int = Field(16, ge=1, le=1024)
     kv_cache_memory_bytes: int | None = Field(

@@ -65,6 +65,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
         self.fused = self._fused_decoder()
         hf_config = self.model.config
@@ -75,10 +76,10 @@ class LLMEngine:
         self.vocab_size = hf_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks(kv_bytes_per_token(hf_config, self.dtype))
+        self.num_blocks = self._num_blocks(kv_bytes_per_token(hf_config, self.kv_dtype))
         self._validate_limits()
         backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.dtype, self.device,
+        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.kv_dtype, self.device,
                                   self.fused)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         limits = SchedulerLimits(
@@ -136,7 +137,7 @@ class LLMEngine:
         blocks = -(-tokens // self.block_size)
         torch.cuda.reset_peak_memory_stats(self.device)
         runner = ModelRunner(self.model, select_backend(self.config.attention_backend, self.device), blocks,
-                             self.block_size, self.dtype, self.device, self.fused)
+                             self.block_size, self.kv_dtype, self.device, self.fused)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
         probe.block_ids = list(range(blocks))
         runner.execute([(probe, tokens)], {"profile": torch.Generator(self.device)})

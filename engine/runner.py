@@ -37,7 +37,7 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
 class ModelRunner:
     def __init__(
         self, model, backend: AttentionBackend, num_blocks: int, block_size: int,
-        dtype: torch.dtype, device: torch.device, fused: FusedDecoder | None = None,
+        kv_dtype: torch.dtype, device: torch.device, fused: FusedDecoder | None = None,
     ) -> None:
         """`fused`: kvloom's own forward over the model's weights; None runs the stock forward."""
         self.model = model
@@ -49,7 +49,7 @@ class ModelRunner:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
         self.kv_caches = [
-            (allocate_kv_cache(shape, dtype, device), allocate_kv_cache(shape, dtype, device))
+            (allocate_kv_cache(shape, kv_dtype, device), allocate_kv_cache(shape, kv_dtype, device))
             for _ in range(cfg.num_hidden_layers)
         ]
         self.decoder = model.base_model

@@ -4,8 +4,9 @@ Decode rows (one query token) dominate steady-state serving and are memory-bound
 kernel (cpu_decode.cpp, built once per machine with torch's JIT extension loader) reads K/V
 straight from the blocks with SIMD dot products and an online softmax, about 20x faster than
 gathering them into a padded batch for SDPA (measured at batch 64, context 256). Where the kernel
-cannot be built, for dtypes other than float32, or for head shapes it was not compiled for, decode
-falls back to one gathered, masked SDPA call. Prefill chunks are few per step and
+cannot be built, for queries other than float32, or for head shapes it was not compiled for, decode
+falls back to one gathered, masked SDPA call. The cache may be narrower than the model
+(`kv_cache_dtype`): the kernel widens float16/bfloat16 rows as it reads them. Prefill chunks are few per step and
 compute-heavy, so each gets its own causal SDPA call over its cached prefix.
 """
 
@@ -19,6 +20,7 @@ from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.reference import gather_kv, write_kv
 
 __all__ = ["write_kv", "paged_attention", "decode_extension"]
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the decode kernel reads
 
 
 def decode_extension():
@@ -40,8 +42,8 @@ def _decode(
     num_blocks = -(-max_len // block_size)
     tables = tables[:, :num_blocks].long()
     batch = len(seq_lens)
-    keys = key_cache[tables].view(batch, num_blocks * block_size, *key_cache.shape[2:])
-    values = value_cache[tables].view(batch, num_blocks * block_size, *value_cache.shape[2:])
+    keys = key_cache[tables].view(batch, num_blocks * block_size, *key_cache.shape[2:]).to(q.dtype)
+    values = value_cache[tables].view(batch, num_blocks * block_size, *value_cache.shape[2:]).to(q.dtype)
     lengths = torch.tensor(seq_lens).unsqueeze(1)
     valid = torch.arange(num_blocks * block_size).unsqueeze(0) < lengths  # [B, S]
     # slots past a request's context (its last block's tail, padded table entries) hold stale data
@@ -60,8 +62,8 @@ def _prefill(
     seq_len: int, scale: float,
 ) -> torch.Tensor:
     q_len = query.shape[0]
-    keys = gather_kv(key_cache, table, seq_len).transpose(0, 1).unsqueeze(0)
-    values = gather_kv(value_cache, table, seq_len).transpose(0, 1).unsqueeze(0)
+    keys = gather_kv(key_cache, table, seq_len).to(query.dtype).transpose(0, 1).unsqueeze(0)
+    values = gather_kv(value_cache, table, seq_len).to(query.dtype).transpose(0, 1).unsqueeze(0)
     q = query.transpose(0, 1).unsqueeze(0)
     if q_len == seq_len:
         out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -111,7 +113,7 @@ def paged_attention(
     out = torch.empty_like(query)
     if plan.decode_lens_host:
         q = query.index_select(0, plan.decode_rows)
-        ext = decode_extension() if query.dtype == key_cache.dtype == torch.float32 else None
+        ext = decode_extension() if query.dtype == torch.float32 and key_cache.dtype in CACHE_DTYPES else None
         if ext is not None and not ext.paged_decode_supported(q.shape[-1], q.shape[1] // key_cache.shape[2]):
             ext = None
         if ext is not None:

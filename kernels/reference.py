@@ -22,6 +22,7 @@ def write_kv(
     indexing assignment takes a slow path (~200x slower on CPU, measured).
     """
     num_blocks, block_size, kv_heads, head_dim = key_cache.shape
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # the cache may be narrower
     key_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(num_blocks * block_size, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 

@@ -69,8 +69,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
-    tl.store(k_dst, k, mask=mask)
-    tl.store(v_dst, v, mask=mask)
+    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)  # the cache may be narrower
+    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
