@@ -69,8 +69,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
     k_dst = key_cache_ptr + block * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
     v_dst = value_cache_ptr + block * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
-    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)  # the cache may be narrower
-    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, k, mask=mask)
+    tl.store(v_dst, v, mask=mask)
 
 
 def write_kv(
@@ -86,6 +86,9 @@ def write_kv(
         return
     for t in (key_cache, value_cache, key, value):
         assert t.stride(-1) == 1, "head_dim must be contiguous"
+    # A narrower cache (kv_cache_dtype) rounds here, with torch's round-to-nearest-even: the
+    # interpreter's bfloat16 cast truncates, and only the new tokens' rows are copied.
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     _write_kv_kernel[(num_tokens,)](
         key,
         value,

@@ -195,3 +195,24 @@ def test_write_then_attend_matches_reference_step():
     expected = reference.paged_attention(query, ref_k, ref_v, meta, scale)
     actual = triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
     torch.testing.assert_close(actual, expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_float32_queries_over_a_narrow_cache(cache_dtype):
+    """kv_cache_dtype: float32 K/V are rounded into a half-precision cache and attended by float32 queries."""
+    query_lens, seq_lens = [6, 1], [22, 9]
+    query, key_cache, value_cache, meta = make_batch(query_lens, seq_lens, num_heads=8, dtype=cache_dtype)
+    query = query.float()
+    new_k = torch.randn(sum(query_lens), *key_cache.shape[2:], device=DEVICE)
+    new_v = torch.randn_like(new_k)
+    ref_k, ref_v = key_cache.clone(), value_cache.clone()
+    reference.write_kv(ref_k, ref_v, new_k, new_v, meta.slot_mapping)
+    triton_attention.write_kv(key_cache, value_cache, new_k, new_v, meta.slot_mapping)
+    torch.testing.assert_close(key_cache, ref_k, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, ref_v, atol=0, rtol=0, equal_nan=True)
+
+    scale = query.shape[-1] ** -0.5
+    expected = reference.paged_attention(query, ref_k, ref_v, meta, scale)
+    actual = triton_attention.paged_attention(query, key_cache, value_cache, meta, scale)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, **TOLERANCE[cache_dtype])  # the dot runs in the cache's dtype
