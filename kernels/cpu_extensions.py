@@ -1,24 +1,59 @@
 """Builds kvloom's C++ CPU kernels once per machine with torch's JIT extension loader.
 
-Sources sit next to this file; torch caches the build (keyed by the source's hash) under
-~/.cache/torch_extensions, so only the first process on a machine pays the compile.
+Sources sit next to this file and register their ops as `torch.ops.kvloom.*` (TORCH_LIBRARY, ATen's
+own headers: a fresh build takes seconds, where pybind's torch/extension.h alone costs half a
+minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions (per Python and torch version), so
+only the first process on a machine pays the compile; `python -m kvloom.kernels.cpu_extensions`
+does it ahead of time.
 """
 
 import functools
 import logging
+import sys
+import time
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20"]
+SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
+STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
+
+
+def _clear_stale_lock(build_dir: Path) -> None:
+    """torch's loader waits forever on the lock file of a build whose process was killed (a replica
+    torn down mid-compile): drop a lock that no live build could still hold."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 @functools.cache
-def build_extension(name: str, source: str):
-    """The compiled module, or None (with a warning) where it cannot be built: callers stay correct, just slower."""
-    from torch.utils.cpp_extension import load
+def build_extension(name: str):
+    """`torch.ops.kvloom` once `name` is loaded, or None (with a warning) where it cannot be built:
+    callers stay correct, just slower."""
+    from torch.utils.cpp_extension import get_default_build_root, load
 
+    source = Path(__file__).with_name(SOURCES[name])
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = Path(get_default_build_root()) / f"{python}-torch{torch.__version__}" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build_dir)
     try:
-        return load(name, [str(Path(__file__).with_name(source))], extra_cflags=CFLAGS)
+        load(name, [str(source)], extra_cflags=CFLAGS, build_directory=str(build_dir), is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, ...
-        logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", source, exc)
+        logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", source.name, exc)
         return None
+    return torch.ops.kvloom
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    for extension in SOURCES:
+        print(extension, "ready" if build_extension(extension) is not None else "unavailable (torch fallback)")

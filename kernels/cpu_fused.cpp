@@ -2,8 +2,9 @@
 // that would each stream the whole activation through memory once (rotary embedding as torch ops
 // is six of them: two slices, a negation, a concatenation, two multiply-adds). Rows are split over
 // ATen's thread pool and the inner loops are plain float loops the compiler vectorizes.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
 #include <cstdint>
 
 constexpr int64_t GRAIN = 16;  // rows per task
@@ -11,9 +12,9 @@ constexpr int64_t GRAIN = 16;  // rows per task
 // Rotary embedding in place on the query and key heads of a fused QKV projection [T, (H + 2 KVH) * D]
 // (the first H + KVH heads), with HF's rotate-half convention: x * cos + rotate_half(x) * sin,
 // cos/sin [T, D] as the model's rotary module returns them.
-void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t num_rotated_heads,
+void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_rotated_heads,
                        int64_t head_dim) {
-  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32);
+  TORCH_CHECK(qkv.dtype() == at::kFloat && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat);
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous());
   const int64_t T = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
   float* base = qkv.data_ptr<float>();
@@ -35,6 +36,7 @@ void rotary_embedding_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   });
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rotary_embedding_", &rotary_embedding_, "rotate-half RoPE in place on fused QKV rows (float32)");
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_rotated_heads, int head_dim) -> ()",
+        &rotary_embedding_);
 }

@@ -11,7 +11,7 @@ from kvloom.kernels.cpu_extensions import build_extension
 
 
 def fused_extension():
-    return build_extension("kvloom_cpu_fused", "cpu_fused.cpp")
+    return build_extension("kvloom_cpu_fused")
 
 
 def _native(x: torch.Tensor):
