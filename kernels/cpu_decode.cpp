@@ -6,14 +6,14 @@
 // while it is in registers. The step is memory-bound: at batch 64, context 256 it reads ~750 MB
 // of fp32 K/V, so every row is read exactly once.
 //
-// Vectors are GCC/Clang vector extensions of 16 floats (one AVX-512 register; two AVX2 ones
-// elsewhere), so the same source builds on any x86-64 or Arm host with -march=native. The cache
-// may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32. Head dims
-// that are multiples of 16 up to 256 are compile-time (the row lives in registers); the GQA group
-// (up to 8 query heads per kv head) is a runtime loop: its per-row work hits L1, which costs nothing
-// next to the memory stream, and keeps the build to 15 instantiations (seconds, not minutes, of
-// compile on a fresh machine). paged_decode_supported() tells the caller when to use its torch
-// fallback instead. Registered as torch.ops.kvloom.* with ATen's light headers, not pybind's.
+// Vectors are GCC/Clang vector extensions one hardware register wide (16 floats on AVX-512, 8 on
+// AVX2, 4 elsewhere), so the same source builds on any x86-64 or Arm host with -march=native. The
+// cache may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32. Head
+// dims 16, 32, 64, 128 and 256 are compile-time (the row lives in registers); the GQA group (up to 8
+// query heads per kv head) is a runtime loop whose per-row state sits in L1, which keeps the build
+// to 15 instantiations (seconds of compile on a fresh machine, not minutes). paged_decode_supported()
+// tells the caller when to use its torch fallback instead. The ops register as torch.ops.kvloom.*
+// on ATen's own headers: pybind's torch/extension.h alone costs half a minute to compile.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -22,32 +22,38 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-constexpr int W = 16;  // floats per vector
+// one hardware register of floats: scalar-times-vector and loads then map to single instructions
+// (a wider generic vector on AVX2 makes GCC build every broadcast through the stack, measured 2x slower)
+#if defined(__AVX512F__)
+constexpr int W = 16;
+#elif defined(__AVX__)
+constexpr int W = 8;
+#else
+constexpr int W = 4;  // SSE2, NEON
+#endif
 constexpr int MAX_GROUP = 8;
 constexpr int64_t MAX_ITEM_HEADS = 4;  // kv heads per work item: bounds the per-item state
-typedef float vfloat __attribute__((vector_size(64)));
-typedef float vfloat_unaligned __attribute__((vector_size(64), aligned(4), may_alias));
+typedef float vfloat __attribute__((vector_size(W * 4)));
+typedef float vfloat_unaligned __attribute__((vector_size(W * 4), aligned(4), may_alias));
+typedef _Float16 vhalf_unaligned __attribute__((vector_size(W * 2), aligned(2), may_alias));
+typedef uint16_t vbits_unaligned __attribute__((vector_size(W * 2), aligned(2), may_alias));
+typedef uint32_t vuint __attribute__((vector_size(W * 4)));
 
-typedef _Float16 vhalf_unaligned __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint16_t vbits_unaligned __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t vuint __attribute__((vector_size(64)));
-
-// 16 cache elements as floats: K/V may be stored in float32, float16 or bfloat16, math is float32
+// W cache elements as floats: K/V may be stored in float32, float16 or bfloat16, math is float32
 inline vfloat load(const float* p) { return *reinterpret_cast<const vfloat_unaligned*>(p); }
 inline vfloat load(const at::Half* p) {
-#ifdef __AVX512F__  // GCC 12 scalarizes the generic conversion below (measured 1.9x slower than float32)
+#if defined(__AVX512F__)  // GCC 12 scalarizes the generic conversion below (measured 1.9x slower than float32)
   const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return reinterpret_cast<const vfloat&>(v);
-#elif defined(__F16C__)  // AVX2 hosts: two 8-wide conversions
-  const __m128i* bits = reinterpret_cast<const __m128i*>(p);
-  const __m256 halves[2] = {_mm256_cvtph_ps(_mm_loadu_si128(bits)), _mm256_cvtph_ps(_mm_loadu_si128(bits + 1))};
-  return reinterpret_cast<const vfloat&>(halves);
+#elif defined(__AVX__) && defined(__F16C__)
+  const __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return reinterpret_cast<const vfloat&>(v);
 #else
   return __builtin_convertvector(*reinterpret_cast<const vhalf_unaligned*>(p), vfloat);
 #endif
@@ -59,8 +65,13 @@ inline vfloat load(const at::BFloat16* p) {  // bfloat16 is the top half of a fl
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_unaligned*>(p) = v; }
 
 inline float horizontal_sum(vfloat v) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512&>(v));
+#elif defined(__AVX__)
+  const __m256 s8 = reinterpret_cast<__m256&>(v);
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
 #else
   float s = 0.f;
   for (int i = 0; i < W; ++i) s += v[i];
@@ -112,6 +123,7 @@ struct HeadState {
 template <typename T, int NV>
 void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, float* __restrict scores) {
   constexpr int D = NV * W;
+  constexpr int64_t LINE = 64 / sizeof(T);  // elements per cache line
   const int64_t BS = cache.block_size, L = item.seq_len;
   HeadState<NV> states[MAX_ITEM_HEADS];
   const int64_t nh = item.last_head - item.first_head;
@@ -130,7 +142,7 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
     if (start + BS < L) {  // the hardware prefetcher cannot guess the next block: fetch it one block ahead
       const int64_t next = static_cast<int64_t>(item.table[start / BS + 1]) * BS * cache.row;
       for (int64_t t = 0; t < BS; ++t)
-        for (int64_t off = item.first_head * D; off < item.last_head * D; off += W) {
+        for (int64_t off = item.first_head * D; off < item.last_head * D; off += LINE) {
           __builtin_prefetch(cache.keys + next + t * cache.row + off);
           __builtin_prefetch(cache.values + next + t * cache.row + off);
         }
@@ -192,11 +204,11 @@ template <typename T>
 ItemFn<T> pick(int64_t head_dim, int64_t group) {
   if (group < 1 || group > MAX_GROUP) return nullptr;
   switch (head_dim) {
-    case 16: return &decode_item<T, 1>;
-    case 32: return &decode_item<T, 2>;
-    case 64: return &decode_item<T, 4>;
-    case 128: return &decode_item<T, 8>;
-    case 256: return &decode_item<T, 16>;
+    case 16: return &decode_item<T, 16 / W>;
+    case 32: return &decode_item<T, 32 / W>;
+    case 64: return &decode_item<T, 64 / W>;
+    case 128: return &decode_item<T, 128 / W>;
+    case 256: return &decode_item<T, 256 / W>;
     default: return nullptr;
   }
 }
