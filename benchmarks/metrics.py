@@ -55,13 +55,14 @@ class LatencyStats:
     p50: float
     p90: float
     p99: float
+    max: float | None = None  # None in reports written before it was recorded
 
     @classmethod
     def of(cls, values: list[float]) -> "LatencyStats | None":
         if not values:
             return None
         p50, p90, p99 = (percentile(values, q) for q in PERCENTILES)
-        return cls(float(np.mean(values)), p50, p90, p99)
+        return cls(float(np.mean(values)), p50, p90, p99, float(np.max(values)))
 
 
 def percentile(values: list[float], q: float) -> float:
