@@ -26,6 +26,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One categorical draw by inverse CDF: a single uniform per row, where torch.multinomial draws an
+    exponential per vocabulary entry (75 us vs 1.3 ms per row of SmolLM2's 49k vocab on CPU, measured;
+    at batch 64 that was 13% of a decode step)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(1, generator=generator, device=probs.device) * cdf[-1]
+    # first entry whose cumulative mass exceeds u: never a zero-probability token (its cdf is flat)
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
+
+
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
     """`logits` is [len(requests), vocab]; one generator per request keeps seeded runs reproducible."""
     logits = logits.float()
@@ -36,7 +46,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
             continue
         row_logits = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
         probs = row_logits.softmax(-1)
-        tokens[row] = int(torch.multinomial(probs, 1, generator=generators[row]))
+        tokens[row] = _draw(probs, generators[row])
     wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
     if not any(wants_logprobs):
         return [SampledToken(t, None) for t in tokens]

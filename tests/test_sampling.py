@@ -144,6 +144,21 @@ def test_top_k_limits_choices_to_the_k_best(tiny_model_dir, hf_tiny):
     assert len(seen) > 1, "top_k=3 at temperature 2 is not greedy"
 
 
+def test_sampled_tokens_follow_the_softmax_at_the_temperature(tiny_model_dir, hf_tiny):
+    with torch.inference_mode():
+        logits = hf_tiny(torch.tensor([PROMPTS["b"]])).logits[0, -1]
+    top = torch.topk(logits, 4)
+    expected = dict(zip(top.indices.tolist(), (top.values / 2.0).softmax(-1).tolist()))
+    draws = 400
+    jobs = {f"s{seed}": (PROMPTS["b"], SamplingParams(max_tokens=1, temperature=2.0, top_k=4, seed=seed))
+            for seed in range(draws)}
+    finished, _ = run(tiny_engine(tiny_model_dir), jobs)
+    tokens = [out.outputs[0].token_ids[0] for out in finished.values()]
+    assert set(tokens) <= set(expected)
+    for token, p in expected.items():  # 4 standard errors of a binomial share: fails only on a wrong law
+        assert abs(tokens.count(token) / draws - p) < 4 * (p * (1 - p) / draws) ** 0.5 + 1e-3, (token, p)
+
+
 # ---- logprobs --------------------------------------------------------------------------------
 def hf_logprobs(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
     """log_softmax of transformers' logits at every position that predicted an output token."""
