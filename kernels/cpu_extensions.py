@@ -2,13 +2,15 @@
 
 Sources sit next to this file and register their ops as `torch.ops.kvloom.*` (TORCH_LIBRARY, ATen's
 own headers: a fresh build takes seconds, where pybind's torch/extension.h alone costs half a
-minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions (per Python and torch version), so
-only the first process on a machine pays the compile; `python -m kvloom.kernels.cpu_extensions`
-does it ahead of time.
+minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions, in a
+folder per Python, torch version and CPU instruction set, so only the first process on a machine
+pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of time.
 """
 
 import functools
+import hashlib
 import logging
+import platform
 import sys
 import time
 from pathlib import Path
@@ -19,6 +21,17 @@ logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
 STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
+
+
+def _cpu_key() -> str:
+    """A short key for this CPU's instruction set: `-march=native` binaries built on an AVX-512 host
+    die with SIGILL on an AVX2 one, and a home directory (hence the build cache) may be shared."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:8]}"
 
 
 def _clear_stale_lock(build_dir: Path) -> None:
@@ -42,7 +55,7 @@ def build_extension(name: str):
 
     source = Path(__file__).with_name(SOURCES[name])
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = Path(get_default_build_root()) / f"{python}-torch{torch.__version__}" / name
+    build_dir = Path(get_default_build_root()) / f"{python}-torch{torch.__version__}-{_cpu_key()}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:
