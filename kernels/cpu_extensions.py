@@ -10,6 +10,7 @@ pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of tim
 import functools
 import hashlib
 import logging
+import os
 import platform
 import sys
 import time
@@ -55,7 +56,8 @@ def build_extension(name: str):
 
     source = Path(__file__).with_name(SOURCES[name])
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = Path(get_default_build_root()) / f"{python}-torch{torch.__version__}-{_cpu_key()}" / name
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own override
+    build_dir = root / f"{python}-torch{torch.__version__}-{_cpu_key()}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:
