@@ -215,7 +215,7 @@ ItemFn<T> pick(int64_t head_dim, int64_t group) {
 
 template <typename T>
 at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2), G = H / KVH;
   const ItemFn<T> fn = pick<T>(D, G);
