@@ -1,19 +1,22 @@
 // Paged decode attention for CPU: one query token per request, read straight from the block
-// cache (no gather copy, no padding, no mask). A work item is one request's kv heads, split over
-// ATen's thread pool; it walks the request's blocks in order with an online softmax, touching
-// each block once while the next one is prefetched (blocks are scattered, so the hardware
-// prefetcher cannot follow), and the query heads sharing a kv head (GQA) all use each K/V row
-// while it is in registers. The step is memory-bound: at batch 64, context 256 it reads ~750 MB
-// of fp32 K/V, so every row is read exactly once.
+// cache (no gather copy, no padding, no mask). A work item is one request (or one of its kv heads
+// when requests are too few to feed every thread); items are dealt to ATen's threads in runs of
+// equal cost. An item walks its request's blocks once with an online softmax. Per block and kv
+// head, each query head sharing it (GQA) scores the block's keys, 8 per reduction tree, and folds
+// in its values while both are still in L1; the next block (scattered, so the hardware prefetcher
+// cannot guess it) is prefetched a slice per query head, spread over the block's work: one burst
+// of a whole block's prefetches fills the core's miss buffers and stalls it. At batch 64, context
+// 256 a step reads ~750 MB of fp32 K/V, every row exactly once.
 //
 // Vectors are GCC/Clang vector extensions one hardware register wide (16 floats on AVX-512, 8 on
 // AVX2, 4 elsewhere), so the same source builds on any x86-64 or Arm host with -march=native. The
 // cache may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32. Head
-// dims 16, 32, 64, 128 and 256 are compile-time (the row lives in registers); the GQA group (up to 8
-// query heads per kv head) is a runtime loop whose per-row state sits in L1, which keeps the build
-// to 15 instantiations (seconds of compile on a fresh machine, not minutes). paged_decode_supported()
-// tells the caller when to use its torch fallback instead. The ops register as torch.ops.kvloom.*
-// on ATen's own headers: pybind's torch/extension.h alone costs half a minute to compile.
+// dims 16, 32, 64, 128 and 256 are compile-time (the query row lives in registers); the GQA group is
+// a runtime loop, which keeps the build to 15 instantiations (seconds of compile on a fresh machine,
+// not minutes). paged_decode_supported() tells the caller when to use its torch fallback instead.
+// The ops register as torch.ops.kvloom.* on ATen's own headers: pybind's torch/extension.h alone
+// costs half a minute to compile. Built with -fopenmp: ATen's parallel_for is inline OpenMP, and
+// without the flag it silently runs on one thread.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
@@ -37,8 +40,6 @@ constexpr int W = 8;
 #else
 constexpr int W = 4;  // SSE2, NEON
 #endif
-constexpr int MAX_GROUP = 8;
-constexpr int64_t MAX_ITEM_HEADS = 4;  // kv heads per work item: bounds the per-item state
 typedef float vfloat __attribute__((vector_size(W * 4)));
 typedef float vfloat_unaligned __attribute__((vector_size(W * 4), aligned(4), may_alias));
 typedef _Float16 vhalf_unaligned __attribute__((vector_size(W * 2), aligned(2), may_alias));
@@ -98,6 +99,27 @@ inline void exp_nonpositive(float* __restrict x, int64_t n) {
   }
 }
 
+// the W-wide dot products of 8 keys -> one vector of their 8 sums (the first 8 lanes where W is
+// wider): one reduction tree for 8 scores, not 8 horizontal sums, and the scores land in a vector
+inline void sum_rows8(const vfloat* dots, float* out) {
+#if defined(__AVX__)
+  __m256 d[8];
+  for (int i = 0; i < 8; ++i) {
+#if defined(__AVX512F__)  // fold each 16-float vector to 8 floats first
+    const __m512 v = reinterpret_cast<const __m512&>(dots[i]);
+    d[i] = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+    d[i] = reinterpret_cast<const __m256&>(dots[i]);
+#endif
+  }
+  const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+  const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
+#else
+  for (int i = 0; i < 8; ++i) out[i] = horizontal_sum(dots[i]);
+#endif
+}
+
 struct Item {
   const float* query;  // [KVH * G, D] of one request
   const int32_t* table;
@@ -111,89 +133,114 @@ struct Cache {
   const T* keys;
   const T* values;
   int64_t block_size;
-  int64_t row;  // floats per token row: KVH * D
+  int64_t row;  // elements per token row: KVH * D
 };
 
-template <int NV>
+// The running softmax of one query head: its output accumulator, running max and denominator.
+template <int D>
 struct HeadState {
-  vfloat q[MAX_GROUP][NV], acc[MAX_GROUP][NV];
-  float running_max[MAX_GROUP], denominator[MAX_GROUP];
+  float acc[D];
+  float running_max, denominator;
 };
 
+// Scores of one query head against n (<= block size) keys: 8 keys per reduction tree.
 template <typename T, int NV>
-void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, float* __restrict scores) {
+inline void block_scores(const vfloat* q, const T* keys, int64_t row, int64_t n, float* __restrict scores) {
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    vfloat dots[8];
+    for (int i = 0; i < 8; ++i) {
+      if (t0 + i < n) {
+        const T* k = keys + (t0 + i) * row;
+        vfloat dot = q[0] * load(k);
+        for (int j = 1; j < NV; ++j) dot += q[j] * load(k + j * W);
+        dots[i] = dot;
+      } else {
+        dots[i] = vfloat{};
+      }
+    }
+    sum_rows8(dots, scores + t0);
+  }
+}
+
+// Folds one block's scores into a query head's running softmax: exp, rescale, then P.V.
+template <typename T, int NV>
+inline void block_update(HeadState<NV * W>& st, float* __restrict s, const T* values, int64_t row, int64_t n) {
+  float block_max = st.running_max;
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
+  for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
+  exp_nonpositive(s, n);
+  float sum = 0.f;
+  for (int64_t t = 0; t < n; ++t) sum += s[t];
+  vfloat acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = load(st.acc + j * W);
+  if (block_max > st.running_max) {
+    float correction = st.running_max - block_max;
+    exp_nonpositive(&correction, 1);
+    st.denominator *= correction;
+    for (int j = 0; j < NV; ++j) acc[j] *= correction;
+    st.running_max = block_max;
+  }
+  st.denominator += sum;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = values + t * row;
+    const float p = s[t];
+    for (int j = 0; j < NV; ++j) acc[j] += p * load(v + j * W);
+  }
+  for (int j = 0; j < NV; ++j) store(st.acc + j * W, acc[j]);
+}
+
+// One request's kv heads: walk its blocks once; per block and kv head, each of the G query heads
+// sharing it scores the block's keys and folds in its values while both are still in L1.
+template <typename T, int NV>
+void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, float* scratch) {
   constexpr int D = NV * W;
   constexpr int64_t LINE = 64 / sizeof(T);  // elements per cache line
   const int64_t BS = cache.block_size, L = item.seq_len;
-  HeadState<NV> states[MAX_ITEM_HEADS];
-  const int64_t nh = item.last_head - item.first_head;
-  for (int64_t h = 0; h < nh; ++h) {
-    auto& st = states[h];
-    const float* qh = item.query + (item.first_head + h) * G * D;
-    for (int g = 0; g < G; ++g) {
-      for (int j = 0; j < NV; ++j) { st.q[g][j] = load(qh + g * D + j * W) * scale; st.acc[g][j] = vfloat{}; }
-      st.running_max[g] = -INFINITY;
-      st.denominator[g] = 0.f;
-    }
+  const int64_t first = item.first_head * G, heads = (item.last_head - item.first_head) * G;
+  auto* states = reinterpret_cast<HeadState<D>*>(scratch);
+  float* scores = scratch + heads * sizeof(HeadState<D>) / sizeof(float);
+  for (int64_t h = 0; h < heads; ++h) {
+    std::fill_n(states[h].acc, D, 0.f);
+    states[h].running_max = -INFINITY;
+    states[h].denominator = 0.f;
   }
   for (int64_t start = 0; start < L; start += BS) {
     const int64_t n = std::min(BS, L - start);
     const int64_t base = static_cast<int64_t>(item.table[start / BS]) * BS * cache.row;
-    if (start + BS < L) {  // the hardware prefetcher cannot guess the next block: fetch it one block ahead
+    // the next block (contiguous BS rows of K, then of V), fetched a slice per query head processed below
+    const T* next_keys = nullptr;
+    const T* next_values = nullptr;
+    if (start + BS < L) {
       const int64_t next = static_cast<int64_t>(item.table[start / BS + 1]) * BS * cache.row;
-      for (int64_t t = 0; t < BS; ++t)
-        for (int64_t off = item.first_head * D; off < item.last_head * D; off += LINE) {
-          __builtin_prefetch(cache.keys + next + t * cache.row + off);
-          __builtin_prefetch(cache.values + next + t * cache.row + off);
-        }
+      next_keys = cache.keys + next;
+      next_values = cache.values + next;
     }
-    for (int64_t h = 0; h < nh; ++h) {
-      auto& st = states[h];
-      const T* keys = cache.keys + base + (item.first_head + h) * D;
-      const T* values = cache.values + base + (item.first_head + h) * D;
-      for (int64_t t = 0; t < n; ++t) {
-        vfloat k[NV];
-        for (int j = 0; j < NV; ++j) k[j] = load(keys + t * cache.row + j * W);
-        for (int g = 0; g < G; ++g) {
-          vfloat dot = st.q[g][0] * k[0];
-          for (int j = 1; j < NV; ++j) dot += st.q[g][j] * k[j];
-          scores[g * BS + t] = horizontal_sum(dot);
-        }
-      }
+    const int64_t block_elems = BS * cache.row;
+    const int64_t units = (item.last_head - item.first_head) * G;
+    const int64_t slice = ((block_elems + units - 1) / units + LINE - 1) / LINE * LINE;
+    int64_t prefetched = 0;
+    for (int64_t kvh = item.first_head; kvh < item.last_head; ++kvh) {
+      const T* keys = cache.keys + base + kvh * D;
+      const T* values = cache.values + base + kvh * D;
       for (int g = 0; g < G; ++g) {
-        float* s = scores + g * BS;
-        float block_max = st.running_max[g];
-        for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
-        for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
-        exp_nonpositive(s, n);
-        float sum = 0.f;
-        for (int64_t t = 0; t < n; ++t) sum += s[t];
-        if (block_max > st.running_max[g]) {
-          float correction = st.running_max[g] - block_max;
-          exp_nonpositive(&correction, 1);
-          st.denominator[g] *= correction;
-          for (int j = 0; j < NV; ++j) st.acc[g][j] *= correction;
-          st.running_max[g] = block_max;
-        }
-        st.denominator[g] += sum;
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        vfloat v[NV];
-        for (int j = 0; j < NV; ++j) v[j] = load(values + t * cache.row + j * W);
-        for (int g = 0; g < G; ++g) {
-          const float p = scores[g * BS + t];
-          for (int j = 0; j < NV; ++j) st.acc[g][j] += p * v[j];
+        const int64_t head = kvh * G + g;
+        vfloat q[NV];
+        for (int j = 0; j < NV; ++j) q[j] = load(item.query + head * D + j * W) * scale;
+        block_scores<T, NV>(q, keys, cache.row, n, scores);
+        block_update<T, NV>(states[head - first], scores, values, cache.row, n);
+        if (next_keys != nullptr) {
+          const int64_t stop = std::min(prefetched + slice, block_elems);
+          for (; prefetched < stop; prefetched += LINE) {
+            __builtin_prefetch(next_keys + prefetched);
+            __builtin_prefetch(next_values + prefetched);
+          }
         }
       }
     }
   }
-  for (int64_t h = 0; h < nh; ++h) {
-    auto& st = states[h];
-    float* oh = item.out + (item.first_head + h) * G * D;
-    for (int g = 0; g < G; ++g) {
-      const float inv = 1.f / st.denominator[g];
-      for (int j = 0; j < NV; ++j) store(oh + g * D + j * W, st.acc[g][j] * inv);
-    }
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inv = 1.f / states[h].denominator;
+    for (int j = 0; j < NV; ++j) store(item.out + (first + h) * D + j * W, load(states[h].acc + j * W) * inv);
   }
 }
 
@@ -202,7 +249,7 @@ using ItemFn = void (*)(const Item&, const Cache<T>&, int, float, float*);
 
 template <typename T>
 ItemFn<T> pick(int64_t head_dim, int64_t group) {
-  if (group < 1 || group > MAX_GROUP) return nullptr;
+  if (group < 1) return nullptr;
   switch (head_dim) {
     case 16: return &decode_item<T, 16 / W>;
     case 32: return &decode_item<T, 32 / W>;
@@ -231,16 +278,26 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   const int32_t* sl = lens.data_ptr<int32_t>();
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
-  // a work item is a request's kv heads (at most MAX_ITEM_HEADS of them), or a single kv head when there
-  // are too few requests to keep every thread busy
-  const int64_t split = B >= 4 * at::get_num_threads() ? (KVH + MAX_ITEM_HEADS - 1) / MAX_ITEM_HEADS : KVH;
-  at::parallel_for(0, B * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * BS);
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t b = i / split, part = i % split;
-      const int64_t first = part * KVH / split, last = (part + 1) * KVH / split;
-      const Item item{q + b * H * D, bt + b * MAXB, sl[b], o + b * H * D, first, last};
-      fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scores.data());
+  // a work item is a request, or one of its kv heads when there are too few requests to keep every
+  // thread busy; items are dealt to threads in contiguous runs of about equal cost (keys x heads),
+  // since requests' contexts differ widely and a static split would leave one thread waiting
+  const int64_t threads = at::get_num_threads();
+  const int64_t split = B >= 4 * threads ? 1 : KVH;
+  const int64_t items = B * split;
+  std::vector<int64_t> cost_before(items + 1, 0);
+  for (int64_t i = 0; i < items; ++i) cost_before[i + 1] = cost_before[i] + sl[i / split];
+  std::vector<int64_t> run_start(threads + 1, items);
+  for (int64_t r = 0; r < threads; ++r)
+    run_start[r] = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before[items] * r / threads) -
+                   cost_before.begin();
+  const int64_t heads_per_item = KVH / split;
+  const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8;
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(scratch_floats);
+    for (int64_t i = run_start[begin]; i < run_start[end]; ++i) {
+      const int64_t b = i / split, first = (i % split) * heads_per_item;
+      const Item item{q + b * H * D, bt + b * MAXB, sl[b], o + b * H * D, first, first + heads_per_item};
+      fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());
     }
   });
   return out;

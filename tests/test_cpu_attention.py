@@ -30,9 +30,9 @@ def decode_path(request, monkeypatch):
     return request.param
 
 # (num_heads, num_kv_heads, head_dim): the tiny test model's GQA shape, SmolLM2's 9/3 GQA with head_dim
-# 64, the kernel's widest group (8) and head_dim 128 without GQA; head_dim 24 is not compiled into the
-# kernel, so the "cpp-kernel" path must notice and fall back
-HEAD_SHAPES = [(4, 2, 16), (9, 3, 64), (8, 1, 32), (2, 2, 128), (3, 1, 24)]
+# 64, a wide group (12 query heads on one kv head) and head_dim 128 without GQA; head_dim 24 is not
+# compiled into the kernel, so the "cpp-kernel" path must notice and fall back
+HEAD_SHAPES = [(4, 2, 16), (9, 3, 64), (12, 1, 32), (2, 2, 128), (3, 1, 24)]
 
 
 class Case:
@@ -113,6 +113,20 @@ def test_pure_decode_batch_with_ragged_context_lengths(heads, block_size):
     context = [1, 2, 5, block_size, block_size + 1, 33, 64, 100]
     case = Case([c - 1 for c in context], [1] * len(context), heads, block_size, seed=1)
     assert_fast_path_matches_reference(case)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_large_decode_batch_dealt_over_threads(threads):
+    """Many decode rows of very unequal context, split over however many threads torch is given."""
+    rng = random.Random(7)
+    context = [rng.choice([1, 7, 16, 17, rng.randint(2, 300)]) for _ in range(40)]
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        case = Case([c - 1 for c in context], [1] * len(context), HEAD_SHAPES[1], 16, seed=8)
+        assert_fast_path_matches_reference(case)
+    finally:
+        torch.set_num_threads(saved)
 
 
 @pytest.mark.parametrize("heads", HEAD_SHAPES)
