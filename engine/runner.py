@@ -87,6 +87,7 @@ class ModelRunner:
                                   kvloom_context=context).last_hidden_state[0]
         if not sample_requests:
             return {}
-        logits = self.lm_head(hidden[sample_rows])
+        head = self.fused.logits if self.fused is not None else self.lm_head
+        logits = head(hidden[sample_rows])
         tokens = sample(logits, sample_requests, [generators[r.request_id] for r in sample_requests])
         return {r.request_id: t for r, t in zip(sample_requests, tokens)}

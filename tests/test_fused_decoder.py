@@ -1,6 +1,7 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
-The fused C++ rotary op equals its torch definition; architectures the decoder covers (Llama,
+The fused C++ rotary op equals its torch definition; a linear packed for oneDNN equals F.linear at
+every row count a step can have; architectures the decoder covers (Llama,
 Qwen2 with its QKV biases) run fused and match `generate` token for token; one it does not cover
 (Qwen3's per-head q/k norms) runs the stock forward under `auto` and is refused by name under
 `model_impl="kvloom"`.
@@ -13,6 +14,7 @@ from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops
+from kvloom.kernels.packed_linear import PackedLinear
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -33,6 +35,25 @@ def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, he
     fused_ops.rotary_embedding_(defined, cos, sin, heads + kv_heads, head_dim)
     torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
     assert torch.equal(native[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, with_bias):
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 40), torch.randn(rows, 40)
+    bias = torch.randn(96) if with_bias else None
+    linear = PackedLinear.pack(weight, bias)
+    assert linear.packed == torch.backends.mkldnn.is_available(), "float32 CPU weights pack wherever oneDNN is built"
+    torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_the_fused_decoder_takes_the_stock_layers_over(tiny_model_dir):
+    """Their weights live packed in the fused decoder only: the stock forward must not run on released pages."""
+    engine = LLMEngine(model=str(tiny_model_dir), block_size=4)
+    assert engine.runner.fused is not None
+    with pytest.raises(AttributeError, match="layers"):
+        engine.model.base_model(input_ids=torch.tensor([[1, 2, 3]]))
 
 
 @pytest.fixture(scope="module")
