@@ -10,8 +10,9 @@ SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`P
 The decoder takes the layers' weights over: as each layer is packed, the stock layer's sources
 are released and the stock layers are deleted at the end, so nothing is held twice (the peak
 holds one extra layer) and a stray call of the stock forward fails loudly instead of reading
-released weights. The LM head is packed too; with tied embeddings that is a copy of the table
-(the embedding lookup still reads the dense one).
+released weights. The LM head is packed too; with tied embeddings that is a copy of the table,
+while the lookup keeps reading the dense one: its pages are dropped where they are clean pages of
+the weights file, so only the rows of tokens actually seen come back.
 
 Architectures whose layers do more (Qwen3's per-head q/k norms, biased output or MLP projections,
 activations other than SiLU) keep the stock forward: `FusedDecoder.build` returns None for them.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.engine.attention import ForwardContext
-from kvloom.engine.host_memory import release_pages
+from kvloom.engine.host_memory import release_file_pages, release_pages
 from kvloom.kernels.fused_ops import fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.kernels.packed_linear import PackedLinear
 
@@ -94,6 +95,8 @@ class FusedDecoder:
         del base.layers  # their weights now live (packed) in self.layers only
         head = model.get_output_embeddings()
         self.lm_head = PackedLinear.pack(head.weight, head.bias)
+        if self.lm_head.packed:  # tied to the embedding, the dense table is read only a row per token now
+            release_file_pages(head.weight)
 
     @classmethod
     def build(cls, model) -> "FusedDecoder | None":
