@@ -1,6 +1,7 @@
 """What `kvloom bench` does, from parsed options to the written JSON, markdown and PNGs."""
 
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,8 +37,10 @@ class BenchOptions:
 
 def machine_section(run: dict, run_dir: Path, system: str, settings: BenchSettings) -> dict:
     """GEMM ceilings and roofline for `run`'s workload, plus decode probes from `system`'s steps."""
+    start = time.monotonic()
     machine = in_fresh_process(machine_report, settings.model, str(run_dir / f"{run['workload']}.jsonl"),
                                settings.threads)
+    machine["elapsed_s"] = time.monotonic() - start
     result = system_result(run, system)
     machine["probes"] = engine_probes(machine, result["steps"] if result else [], settings.threads)
     return machine

@@ -82,7 +82,7 @@ def workload_flops(workload: Workload, shape: ModelShape) -> WorkloadFlops:
     return WorkloadFlops(prefill, decode)
 
 
-def _best_seconds(fn, seconds: float, trials: int) -> float:
+def best_seconds(fn, seconds: float, trials: int) -> float:
     """Best of `trials` timing windows: on a shared machine the slower windows measure the neighbours."""
     for _ in range(3):
         fn()
@@ -111,8 +111,8 @@ def gemm_rate(shape: ModelShape, m: int, with_head: bool, seconds_per_shape: flo
         for k, n, count in shapes:
             x, w = torch.randn(m, k), torch.randn(n, k)
             packed = PackedLinear.pack(w)
-            best = min(_best_seconds(lambda: torch.nn.functional.linear(x, w), seconds_per_shape, trials),
-                       _best_seconds(lambda: packed(x), seconds_per_shape, trials))
+            best = min(best_seconds(lambda: torch.nn.functional.linear(x, w), seconds_per_shape, trials),
+                       best_seconds(lambda: packed(x), seconds_per_shape, trials))
             flops += count * 2 * m * k * n
             seconds += count * best
     return flops / seconds
