@@ -3,8 +3,8 @@
 The transformers forward runs ~40 small torch ops per layer; at small batches their dispatch
 costs as much as the math, and at large ones the unfused elementwise chains (RMSNorm, rotary,
 SiLU-and-multiply) stream the activations through memory again and again. This decoder runs the
-same math as one QKV GEMM, one gate|up GEMM, fused RMSNorm, in-place rotary and a fused
-SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`PackedLinear`:
+same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in-place rotary
+and SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`PackedLinear`:
 1.5-2x MKL's GEMM at decode batch sizes).
 
 The decoder takes the layers' weights over: as each layer is packed, the stock layer's sources
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from kvloom.engine.attention import ForwardContext
 from kvloom.engine.host_memory import release_file_pages, release_pages
-from kvloom.kernels.fused_ops import fused_extension, rotary_embedding_, silu_and_mul
+from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.kernels.packed_linear import PackedLinear
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
@@ -74,7 +74,6 @@ class FusedDecoder:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.scale = attn.scaling
-        self.hidden_size = cfg.hidden_size
         self.eps = cfg.rms_norm_eps
         self.embed = base.embed_tokens.weight
         self.rotary = base.rotary_emb
@@ -102,28 +101,28 @@ class FusedDecoder:
     def build(cls, model) -> "FusedDecoder | None":
         return cls(model) if fusable(model) else None
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.hidden_size,), weight, self.eps)
-
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        residual = F.embedding(input_ids, self.embed)
+        residual = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual stream, updated in place
         cos, sin = (t[0].contiguous() for t in self.rotary(residual, positions[None]))
         meta, backend = context.meta, context.backend
-        for layer, (key_cache, value_cache) in zip(self.layers, context.kv_caches):
-            qkv = layer.qkv(self._norm(residual, layer.input_norm))
+        # each sublayer's output joins the residual in the same pass that normalizes it for the next one
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        hidden = add_rms_norm_(residual, None, self.layers[0].input_norm, self.eps)
+        for layer, next_norm, (key_cache, value_cache) in zip(self.layers, next_norms, context.kv_caches):
+            qkv = layer.qkv(hidden)
             rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
             q, k, v = qkv.split(split, dim=-1)
             k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
             backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
             out = backend.paged_attention(q.view(num_tokens, heads, head_dim), key_cache, value_cache, meta,
                                           self.scale)
-            residual = residual + layer.o_proj(out.reshape(num_tokens, -1))
-            gate_up = layer.gate_up(self._norm(residual, layer.post_attention_norm))
-            residual = residual + layer.down(silu_and_mul(gate_up))
-        return self._norm(residual, self.final_norm)
+            hidden = add_rms_norm_(residual, layer.o_proj(out.reshape(num_tokens, -1)), layer.post_attention_norm,
+                                   self.eps)
+            hidden = add_rms_norm_(residual, layer.down(silu_and_mul(layer.gate_up(hidden))), next_norm, self.eps)
+        return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

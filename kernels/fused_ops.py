@@ -41,3 +41,13 @@ def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
     heads = qkv[:, : num_rotated_heads * head_dim].unflatten(-1, (num_rotated_heads, head_dim))
     first, second = heads.chunk(2, dim=-1)
     heads.copy_(heads * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None])
+
+
+def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += delta in place (skipped when None), then RMSNorm(residual) * weight; [T, hidden] rows."""
+    ext = _native(residual)
+    if ext is not None:
+        return ext.add_rms_norm_(residual, delta, weight, eps)
+    if delta is not None:
+        residual.add_(delta)
+    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)

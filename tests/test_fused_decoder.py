@@ -1,6 +1,6 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
-The fused C++ rotary op equals its torch definition; a linear packed for oneDNN equals F.linear at
+The fused C++ rotary and residual-add + RMSNorm ops equal their torch definitions; a linear packed for oneDNN equals F.linear at
 every row count a step can have; architectures the decoder covers (Llama,
 Qwen2 with its QKV biases) run fused and match `generate` token for token; one it does not cover
 (Qwen3's per-head q/k norms) runs the stock forward under `auto` and is refused by name under
@@ -35,6 +35,24 @@ def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, he
     fused_ops.rotary_embedding_(defined, cos, sin, heads + kv_heads, head_dim)
     torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
     assert torch.equal(native[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
+
+
+@pytest.mark.parametrize("rows", [1, 37])
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_cpp_add_rms_norm_equals_its_torch_definition(monkeypatch, rows, with_delta):
+    assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
+    torch.manual_seed(0)
+    residual, weight = torch.randn(rows, 576) * 3, torch.rand(576) + 0.5
+    delta = torch.randn(rows, 576) if with_delta else None
+    native_residual = residual.clone()
+    native = fused_ops.add_rms_norm_(native_residual, delta, weight, 1e-5)
+    monkeypatch.setattr(fused_ops, "fused_extension", lambda: None)
+    defined_residual = residual.clone()
+    defined = fused_ops.add_rms_norm_(defined_residual, delta, weight, 1e-5)
+    torch.testing.assert_close(native_residual, defined_residual, atol=0, rtol=0)
+    torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
+    if with_delta:
+        torch.testing.assert_close(native_residual, residual + delta)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
