@@ -204,10 +204,12 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
     states[h].running_max = -INFINITY;
     states[h].denominator = 0.f;
   }
+  // the next block (contiguous BS rows of K, then of V) is fetched a slice per query head processed
+  const int64_t block_elems = BS * cache.row;
+  const int64_t slice = ((block_elems + heads - 1) / heads + LINE - 1) / LINE * LINE;
   for (int64_t start = 0; start < L; start += BS) {
     const int64_t n = std::min(BS, L - start);
     const int64_t base = static_cast<int64_t>(item.table[start / BS]) * BS * cache.row;
-    // the next block (contiguous BS rows of K, then of V), fetched a slice per query head processed below
     const T* next_keys = nullptr;
     const T* next_values = nullptr;
     if (start + BS < L) {
@@ -215,9 +217,6 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       next_keys = cache.keys + next;
       next_values = cache.values + next;
     }
-    const int64_t block_elems = BS * cache.row;
-    const int64_t units = (item.last_head - item.first_head) * G;
-    const int64_t slice = ((block_elems + units - 1) / units + LINE - 1) / LINE * LINE;
     int64_t prefetched = 0;
     for (int64_t kvh = item.first_head; kvh < item.last_head; ++kvh) {
       const T* keys = cache.keys + base + kvh * D;

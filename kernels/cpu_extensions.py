@@ -21,6 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 # -fopenmp: ATen's parallel_for is an inline `omp parallel`; compiled without it, every kernel runs on one thread
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
 STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
 
@@ -62,7 +63,8 @@ def build_extension(name: str):
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:
-        load(name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
+        load(name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
+             is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, ...
         logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", source.name, exc)
         return None
