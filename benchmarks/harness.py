@@ -10,7 +10,7 @@ import multiprocessing
 import os
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvloom.benchmarks.metrics import RequestRecord, RunMetrics, summarize
@@ -97,7 +97,9 @@ def _run_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, on_
 
     if spec.kind == "hf-static":
         peer = HFStaticPeer(load_hf_model(settings.model, "sdpa"), spec.batch_size)
-        peer.run(Workload("warmup", workload.requests[:1]))  # first-call costs are not the system's
+        # First-call costs are not the system's; a short request pays them (a whole W1 request took ~15 s).
+        first = workload.requests[0]
+        peer.run(Workload("warmup", [replace(first, prompt=first.prompt[:32], max_tokens=2)]))
     else:
         peer = HFContinuousPeer(load_hf_model(settings.model, settings.hf_cb_attention),
                                 settings.kv_cache_memory_bytes, settings.max_num_batched_tokens,

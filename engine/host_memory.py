@@ -6,7 +6,6 @@ neighbours sharing its first and last page are never touched.
 
 import ctypes
 import sys
-from pathlib import Path
 
 import torch
 
@@ -40,36 +39,15 @@ def release_pages(tensor: torch.Tensor) -> None:
     _advise(tensor, MADV_DONTNEED, PAGE)
 
 
-def _mapping_of(first: int, last: int) -> tuple[str, int] | None:
-    """(path, anonymous kB) of the one memory mapping holding bytes first..last, from /proc/self/smaps."""
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return None
-    inside, path = False, ""
-    for line in lines:
-        fields = line.split()
-        if not fields[0].endswith(":"):  # a mapping's header: start-end perms offset dev inode [path]
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            inside, path = start <= first and last < end, fields[5] if len(fields) > 5 else ""
-        elif inside and fields[0] == "Anonymous:":
-            return path, int(fields[1])
-    return None
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc only; a no-op elsewhere).
 
-
-def release_file_pages(tensor: torch.Tensor) -> bool:
-    """Drop the resident pages of a tensor that is still read, if they are clean pages of a file.
-
-    Weights loaded from safetensors are a private mapping of the file; while none of its pages has
-    been written (copied on write), a dropped page is simply read back from the page cache when
-    touched, so only the parts still in use stay resident (an embedding table: the rows of the
-    tokens seen). Anonymous memory, or a mapping with written pages, is left alone: dropping those
-    pages would lose data. Returns whether the pages were released.
+    Loading frees tens of MB of temporaries (the tokenizer's parsed JSON, weights concatenated for
+    packing) in the middle of the heap, where they would otherwise stay resident for the process's life.
     """
-    if tensor.device.type != "cpu" or sys.platform != "linux":
-        return False
-    mapping = _mapping_of(tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size() - 1)
-    if mapping is None or not mapping[0].startswith("/") or mapping[1] != 0:
-        return False
-    _advise(tensor, MADV_DONTNEED, PAGE)
-    return True
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except AttributeError:  # a C library without malloc_trim (musl)
+        pass

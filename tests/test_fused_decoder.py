@@ -1,7 +1,7 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
-The fused C++ rotary and residual-add + RMSNorm ops equal their torch definitions; a linear packed for oneDNN equals F.linear at
-every row count a step can have; architectures the decoder covers (Llama,
+The fused C++ rotary and residual-add + RMSNorm ops equal their torch definitions; a linear run by oneDNN (packed, or
+shared with a tied embedding) equals F.linear at every row count a step can have; architectures the decoder covers (Llama,
 Qwen2 with its QKV biases) run fused and match `generate` token for token; one it does not cover
 (Qwen3's per-head q/k norms) runs the stock forward under `auto` and is refused by name under
 `model_impl="kvloom"`.
@@ -57,13 +57,29 @@ def test_cpp_add_rms_norm_equals_its_torch_definition(monkeypatch, rows, with_de
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_packed_linear_equals_f_linear(rows, with_bias):
+@pytest.mark.parametrize("make", [PackedLinear.pack, PackedLinear.share])
+def test_onednn_linear_equals_f_linear(rows, with_bias, make):
     torch.manual_seed(0)
     weight, x = torch.randn(96, 40), torch.randn(rows, 40)
     bias = torch.randn(96) if with_bias else None
-    linear = PackedLinear.pack(weight, bias)
-    assert linear.packed == torch.backends.mkldnn.is_available(), "float32 CPU weights pack wherever oneDNN is built"
+    linear = make(weight, bias)
+    assert linear.onednn == torch.backends.mkldnn.is_available(), "float32 CPU weights run on oneDNN wherever it is built"
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_model, greedy_reference, drive):
+    """No second copy of the table: the head's weight is the very tensor the embedding lookup reads."""
+    model_dir = build_tiny_model(tmp_path, tied=True)
+    engine = LLMEngine(model=str(model_dir), block_size=4)
+    fused = engine.runner.fused
+    assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
+    outputs = drive(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(model_dir, PROMPTS, 16)
+
+
+def test_an_untied_lm_head_is_packed(tiny_model_dir):
+    fused = LLMEngine(model=str(tiny_model_dir), block_size=4).runner.fused
+    assert fused.lm_head.packed == torch.backends.mkldnn.is_available()
 
 
 def test_the_fused_decoder_takes_the_stock_layers_over(tiny_model_dir):
