@@ -60,8 +60,10 @@ def _throughput_goal(w1: dict, system: str, name: str, machine: dict | None) -> 
 
 
 def w1_goals(w1: dict, machine: dict | None, kv_cache_memory_bytes: int, threads: int,
-             narrow_kv: str | None = None) -> list[Goal]:
-    """`narrow_kv`: a continuous system with a float16 KV cache, held to the throughput goal as well."""
+             narrow_kv: str | None = None, decode_probe: dict | None = None) -> list[Goal]:
+    """`narrow_kv`: a continuous system with a float16 KV cache, held to the throughput goal as well.
+    `decode_probe`: a `paired_decode_probe` result; the decode goal is judged on it when given, else on
+    the run's own batch-64 steps."""
     goals = [_throughput_goal(w1, "continuous", "W1 throughput vs peers", machine)]
     if narrow_kv and system_result(w1, narrow_kv):
         goals.append(_throughput_goal(w1, narrow_kv, "W1 throughput vs peers, fp16 KV cache", machine))
@@ -75,7 +77,9 @@ def w1_goals(w1: dict, machine: dict | None, kv_cache_memory_bytes: int, threads
         goals.append(Goal("W1 vs compute roofline", "W1 wall <= 2x roofline", measured,
                           None if ratio is None else ratio <= 2.0))
         probes = {p["target_batch"]: p for p in machine.get("probes", [])}
-        if 64 in probes:
+        if decode_probe:
+            goals.append(_paired_decode_goal(decode_probe, probes.get(64)))
+        elif 64 in probes:
             p = probes[64]
             detail = f"; {p['flops_per_s'] / 1e9:.1f} vs {p['gemm_rate'] / 1e9:.1f} GFLOP/s"
             if p.get("cpu_efficiency"):
@@ -96,6 +100,16 @@ def w1_goals(w1: dict, machine: dict | None, kv_cache_memory_bytes: int, threads
                           "–" if rss is None else f"{rss:.0f} MB ({rss - limit:+.0f} MB vs limit{after_load})",
                           None if rss is None else rss <= limit))
     return goals
+
+
+def _paired_decode_goal(probe: dict, in_run: dict | None) -> Goal:
+    detail = (f"; best step {probe['best_step_s'] * 1000:.0f} ms at context {probe['context']}, "
+              f"{probe['flops_per_s'] / 1e9:.1f} vs {probe['gemm_rate'] / 1e9:.1f} GFLOP/s (best of each, alternated "
+              f"in one process); median vs median {probe['median_efficiency']:.0%}")
+    if in_run:
+        detail += f"; W1's own batch-64 steps (mean) against the roofline's GEMM rate {in_run['efficiency']:.0%}"
+    return _ratio_goal("decode efficiency at batch 64", "decode step >= 60% of GEMM FLOP/s at M=64",
+                       probe["efficiency"] * 100, 60.0, unit="%", detail=detail)
 
 
 def chat_goal(chat_runs: list[dict]) -> Goal:

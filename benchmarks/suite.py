@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from kvloom.benchmarks.bench import (DEFAULT_HF_BATCHES, DEFAULT_PEERS, DEFAULT_STRATEGIES, environment,
-                                     make_systems, run_systems)
+                                     in_fresh_process, make_systems, run_systems)
 from kvloom.benchmarks.command import OUT_ROOT, machine_section
 from kvloom.benchmarks.goals import chat_goal, goals_table, long_prefill_goal, prefix_goal, w1_goals
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
-from kvloom.benchmarks.roofline import best_seconds
+from kvloom.benchmarks.roofline import best_seconds, paired_decode_probe
 from kvloom.benchmarks.report import (environment_lines, headline_table, rate_section, results_table,
                                       roofline_section, run_section, sweep_section)
 from kvloom.benchmarks.sweep import summarize_sweep, sweep_systems
@@ -84,6 +84,7 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
     doc = {"w1_budget": budget,
            "w1": run_systems(w1, systems, settings, scratch / "w1", "W1 (offline-mixed)", budget["budget_s"])}
     doc["machine"] = machine_section(doc["w1"], scratch / "w1", "continuous", settings)
+    doc["decode_probe"] = in_fresh_process(paired_decode_probe, settings.model, settings.threads)
     chat_systems = [SystemSpec(s, "kvloom", strategy=s) for s in CHAT_STRATEGIES]
     doc["chat"] = [run_systems(make_workload("chat", corpus, num_requests=CHAT_REQUESTS, rate=rate), chat_systems,
                                settings, scratch / f"chat-{rate:g}", f"chat @ {rate:g} req/s") for rate in CHAT_RATES]
@@ -106,7 +107,8 @@ def _studies(settings: BenchSettings, scratch: Path) -> dict:
 def _markdown(doc: dict, out: Path) -> str:
     machine, w1 = doc["machine"], doc["w1"]
     settings = doc["environment"]["settings"]
-    goals = (w1_goals(w1, machine, settings["kv_cache_memory_bytes"], settings["threads"], narrow_kv=FP16_KV)
+    goals = (w1_goals(w1, machine, settings["kv_cache_memory_bytes"], settings["threads"], narrow_kv=FP16_KV,
+                      decode_probe=doc.get("decode_probe"))
              + [chat_goal(doc["chat"]), long_prefill_goal(doc["long_prefill"]),
                 prefix_goal(doc["shared_prefix"], "continuous", NO_PREFIX)])
     return "\n\n".join([

@@ -236,6 +236,25 @@ def test_decode_probe_uses_decode_only_steps_near_the_batch():
     assert decode_probe(steps, shape, 8) is None
 
 
+def test_paired_decode_probe_alternates_real_steps_and_gemms(tiny_model_dir):
+    from kvloom.benchmarks.roofline import ModelShape, paired_decode_probe
+
+    probe = paired_decode_probe(str(tiny_model_dir), threads=1, batch=4, context=20, rounds=2, steps_per_round=2)
+    assert len(probe["step_s"]) == 4 and len(probe["gemm_rates"]) == 2
+    assert probe["best_step_s"] == min(probe["step_s"]) and probe["gemm_rate"] == max(probe["gemm_rates"])
+    from transformers import AutoConfig
+    shape = ModelShape.of(AutoConfig.from_pretrained(tiny_model_dir))
+    # the best step is one of the four: 4 requests of 22-25 keys (prefill gave 21 tokens, one decode step untimed)
+    per_token = shape.token_flops() + shape.head_flops()
+    keys = (probe["flops_per_step"] - 4 * per_token) / (4 * shape.heads * shape.head_dim * shape.layers)
+    assert keys in {4 * 22 + 4 * k for k in range(4)}
+    assert probe["efficiency"] == pytest.approx(probe["flops_per_step"] / probe["best_step_s"] / probe["gemm_rate"])
+
+
+PAIRED_PROBE = {"efficiency": 0.65, "median_efficiency": 0.55, "best_step_s": 0.2, "context": 256,
+                "flops_per_s": 6.5e10, "gemm_rate": 1e11}
+
+
 # ---- goals --------------------------------------------------------------------------------------
 def test_goals_compare_the_right_systems_and_say_when_unmeasured():
     from kvloom.benchmarks.goals import chat_goal, long_prefill_goal, prefix_goal, w1_goals
@@ -258,6 +277,9 @@ def test_goals_compare_the_right_systems_and_say_when_unmeasured():
     assert goals["decode efficiency at batch 64"].met is False
     assert goals["engine overhead at batch 32"].met is False
     assert goals["peak RSS on W1"].met is True  # 3000 <= 500 + 2048 + 500
+    decode = {g.name: g for g in w1_goals(w1, machine, 2 << 30, threads=2, decode_probe=PAIRED_PROBE)}
+    assert decode["decode efficiency at batch 64"].met  # the paired probe decides, not the run's 30%
+    assert "median vs median 55%" in decode["decode efficiency at batch 64"].measured
     chats = [run(0.1, continuous={"output_tok_s": 10.0}, dynamic={"output_tok_s": 10.0}),
              run(1.0, continuous={"output_tok_s": 50.0}, dynamic={"output_tok_s": 20.0})]
     assert chat_goal(chats).met and "1.0 req/s" in chat_goal(chats).measured
@@ -295,6 +317,7 @@ def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpu
 
     monkeypatch.setattr(suite, "run_systems", fake_run_systems)
     monkeypatch.setattr(suite, "machine_section", lambda *args: MACHINE)
+    monkeypatch.setattr(suite, "in_fresh_process", lambda fn, *args: PAIRED_PROBE)  # only the paired probe
     monkeypatch.setattr(suite, "default_corpus", lambda model: corpus)
     monkeypatch.setattr(suite, "OUT_ROOT", tmp_path / "scratch")
     (tmp_path / "scratch" / "suite").mkdir(parents=True)
@@ -303,6 +326,7 @@ def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpu
                     "## Sweep of `max_num_seqs`"):
         assert heading in md
     assert "hf-static-32" in md
+    assert "alternated in one process" in md
     committed = json.loads((tmp_path / "results" / "cpu.json").read_text())
     assert all(r["outputs"] == {} and r["steps"] == [] for r in committed["w1"]["results"])
     assert len(list((tmp_path / "results").glob("*.png"))) >= 10
