@@ -132,8 +132,11 @@ class FusedDecoder:
         for gate|up, 12 MB after SiLU-and-multiply) would fall out of cache between the GEMM and the
         elementwise pass, and add to the process's peak memory.
         """
-        chunks = [add_rms_norm_(residual[i : i + MLP_ROWS], layer.down(silu_and_mul(layer.gate_up(hidden[i : i + MLP_ROWS]))),
-                                next_norm, self.eps) for i in range(0, hidden.shape[0], MLP_ROWS)]
+        chunks = []
+        for i in range(0, hidden.shape[0], MLP_ROWS):
+            rows = slice(i, i + MLP_ROWS)
+            mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden[rows])))
+            chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

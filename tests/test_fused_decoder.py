@@ -10,6 +10,7 @@ Qwen2 with its QKV biases) run fused and match `generate` token for token; one i
 import pytest
 import torch
 
+from kvloom.engine import decoder
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
@@ -75,6 +76,12 @@ def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_mo
     assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(model_dir, PROMPTS, 16)
+
+
+def test_the_mlp_in_row_passes_matches_generate(tiny_model_dir, monkeypatch, greedy_reference, drive):
+    monkeypatch.setattr(decoder, "MLP_ROWS", 8)  # every prefill spans several passes, the last one partial
+    outputs = drive(LLMEngine(model=str(tiny_model_dir), block_size=4), PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
 
 def test_an_untied_lm_head_is_packed(tiny_model_dir):
