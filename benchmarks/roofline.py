@@ -16,6 +16,7 @@ rate in one process (`paired_decode_probe`).
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from statistics import median_high
 
 import torch
 
@@ -58,10 +59,18 @@ class ModelShape:
     def head_flops(self) -> int:
         return 2 * self.hidden * self.vocab
 
+    def key_flops(self) -> int:
+        """Attention FLOPs per (token, key) pair over all layers: QK^T and PV."""
+        return 4 * self.heads * self.head_dim * self.layers
+
     def attention_flops(self, first_pos: int, last_pos: int) -> int:
         """Attention FLOPs of the tokens at positions first_pos..last_pos-1 (position p sees p+1 keys)."""
         keys = (last_pos * (last_pos + 1) - first_pos * (first_pos + 1)) // 2
-        return 4 * self.heads * self.head_dim * self.layers * keys
+        return self.key_flops() * keys
+
+    def decode_step_flops(self, batch: int, keys: int) -> int:
+        """One decode step: `batch` tokens through every linear and the LM head, attending `keys` keys in all."""
+        return batch * (self.token_flops() + self.head_flops()) + self.key_flops() * keys
 
 
 @dataclass
@@ -168,8 +177,7 @@ def decode_probe(steps: list[dict], shape: ModelShape, batch: int, tolerance: in
     if not chosen:
         return None
     n = len(chosen)
-    flops = sum(s["batch_size"] * (shape.token_flops() + shape.head_flops())
-                + 4 * shape.heads * shape.head_dim * shape.layers * s["context_tokens"] for s in chosen)
+    flops = sum(shape.decode_step_flops(s["batch_size"], s["context_tokens"]) for s in chosen)
     return DecodeProbe(sum(s["batch_size"] for s in chosen) / n,
                        sum(s["context_tokens"] / s["batch_size"] for s in chosen) / n, n,
                        sum(s["step_s"] for s in chosen) / n, sum(s["forward_s"] for s in chosen) / n,
@@ -206,16 +214,14 @@ def paired_decode_probe(model: str, threads: int, batch: int = DECODE_M, context
             keys = sum(r.num_tokens for r in requests)
             start = time.perf_counter()
             engine.step()
-            steps.append((time.perf_counter() - start, batch * (shape.token_flops() + shape.head_flops())
-                          + 4 * shape.heads * shape.head_dim * shape.layers * keys))
+            steps.append((time.perf_counter() - start, shape.decode_step_flops(batch, keys)))
         rates.append(gemm_rate(shape, batch, with_head=True, seconds_per_shape=0.1, trials=3))
     best_s, best_flops = max(steps, key=lambda s: s[1] / s[0])
-    median_s, median_flops = sorted(steps, key=lambda s: s[1] / s[0])[len(steps) // 2]
     return {"batch": batch, "context": context, "rounds": rounds, "step_s": [s for s, _ in steps],
             "gemm_rates": rates, "best_step_s": best_s, "flops_per_step": best_flops,
             "flops_per_s": best_flops / best_s, "gemm_rate": max(rates),
             "efficiency": best_flops / best_s / max(rates),
-            "median_efficiency": median_flops / median_s / sorted(rates)[len(rates) // 2]}
+            "median_efficiency": median_high(f / s for s, f in steps) / median_high(rates)}
 
 
 def machine_report(model: str, workload_path: str, threads: int) -> dict:
