@@ -21,6 +21,7 @@ from statistics import median_high
 import torch
 
 from kvloom.benchmarks.workloads import Workload
+from kvloom.engine.model_config import ModelConfig
 from kvloom.kernels.packed_linear import PackedLinear
 
 DECODE_M, PREFILL_M = 64, 256
@@ -37,10 +38,9 @@ class ModelShape:
     vocab: int
 
     @classmethod
-    def of(cls, hf_config) -> "ModelShape":
-        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-        return cls(hf_config.hidden_size, hf_config.intermediate_size, hf_config.num_attention_heads,
-                   hf_config.num_key_value_heads, head_dim, hf_config.num_hidden_layers, hf_config.vocab_size)
+    def of(cls, config: ModelConfig) -> "ModelShape":
+        return cls(config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                   config.num_key_value_heads, config.head_dim, config.num_hidden_layers, config.vocab_size)
 
     def layer_linears(self) -> list[tuple[int, int]]:
         """(in, out) of one decoder layer's linears: q, k, v, o, gate, up, down."""
@@ -198,7 +198,7 @@ def paired_decode_probe(model: str, threads: int, batch: int = DECODE_M, context
 
     torch.set_num_threads(threads)
     engine = LLMEngine(model=model, max_num_seqs=batch, enable_prefix_caching=False)
-    shape = ModelShape.of(engine.model.config)
+    shape = ModelShape.of(engine.model_config)
     generator = torch.Generator().manual_seed(0)
     params = SamplingParams(max_tokens=rounds * steps_per_round + 8, temperature=0, ignore_eos=True, detokenize=False)
     for i in range(batch):  # random ids: no two prompts share a block
@@ -229,13 +229,11 @@ def machine_report(model: str, workload_path: str, threads: int) -> dict:
 
     Runs in a fresh process (see `bench.in_fresh_process`) so it gets the same threads as the systems.
     """
-    from transformers import AutoConfig
-
     from kvloom.engine.model_loader import resolve_model_dir
 
     torch.set_num_threads(threads)
     model_dir = resolve_model_dir(model)
-    shape = ModelShape.of(AutoConfig.from_pretrained(model_dir, local_files_only=True))
+    shape = ModelShape.of(ModelConfig.from_dir(model_dir))
     roof = measure_roofline(Workload.load(Path(workload_path)).with_token_ids(model), shape)
     return {"decode_rate": roof.decode_rate, "prefill_rate": roof.prefill_rate, "decode_m": DECODE_M,
             "prefill_m": PREFILL_M, "rate_m32": gemm_rate(shape, 32, with_head=True),

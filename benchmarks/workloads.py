@@ -67,11 +67,9 @@ class TokenCorpus:
 
 
 def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
+    from kvloom.engine import model_loader
 
-    from kvloom.engine.model_loader import resolve_model_dir
-
-    return AutoTokenizer.from_pretrained(resolve_model_dir(model), local_files_only=True)
+    return model_loader.load_tokenizer(model_loader.resolve_model_dir(model))
 
 
 def default_corpus(model: str = "smollm2", num_words: int = 60_000) -> TokenCorpus:

@@ -1,4 +1,4 @@
-"""kvloom's own forward pass over a stock Llama-family model's weights.
+"""kvloom's own forward pass for Llama-family models, built straight from the checkpoint's tensors.
 
 The transformers forward runs ~40 small torch ops per layer; at small batches their dispatch
 costs as much as the math, and at large ones the unfused elementwise chains (RMSNorm, rotary,
@@ -7,16 +7,17 @@ same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in
 and SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`PackedLinear`:
 1.5-2x MKL's GEMM at decode batch sizes).
 
-The decoder takes the layers' weights over: as each layer is packed, the stock layer's sources
-are released and the stock layers are deleted at the end, so nothing is held twice (the peak
-holds one extra layer) and a stray call of the stock forward fails loudly instead of reading
-released weights. An untied LM head is packed too; a head tied to the embedding table runs oneDNN on
-the table itself. A packed copy would be ~10% faster, but the lookup reads the dense table: releasing
-its pages does not keep them out (the kernel maps a whole page-cache folio back on each touch; a
-few thousand distinct tokens bring back nearly all of it), so the copy would cost the table's size.
+It reads the safetensors file directly rather than through transformers' model classes, whose import
+alone costs ~180 MB per process (see `model_config.py`). Each source weight is released as soon as it is
+packed, so nothing is held twice. An untied LM head is packed too; a head tied to the embedding table
+runs oneDNN on the table itself. A packed copy would be ~10% faster, but the lookup reads the dense
+table: releasing its pages does not keep them out (the kernel maps a whole page-cache folio back on
+each touch; a few thousand distinct tokens bring back nearly all of it), so the copy would cost the
+table's size.
 
 Architectures whose layers do more (Qwen3's per-head q/k norms, biased output or MLP projections,
-activations other than SiLU) keep the stock forward: `FusedDecoder.build` returns None for them.
+activations other than SiLU, length-dependent RoPE) keep the stock forward: `FusedDecoder.unsupported`
+says why.
 """
 
 from dataclasses import dataclass
@@ -25,7 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.engine.attention import ForwardContext
+from kvloom.engine.checkpoint import Checkpoint
 from kvloom.engine.host_memory import release_pages
+from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.kernels.packed_linear import PackedLinear
 
@@ -43,71 +47,61 @@ class FusedLayer:
     down: PackedLinear
 
 
-def _pack(linears: list[torch.nn.Linear]) -> PackedLinear:
-    """One packed linear computing the given ones side by side; their weights are released after."""
-    weights = [m.weight.detach() for m in linears]
-    biases = [m.bias for m in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
-    packed = PackedLinear.pack(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
-    if packed.packed or len(weights) > 1:  # the sources are dead weight now (the stock layers are deleted below)
-        for w in weights:
-            release_pages(w)
-    return packed
-
-
-def fusable(model) -> bool:
-    cfg = model.config
-    layer = model.base_model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    return (cfg.model_type in FUSABLE_TYPES and getattr(cfg, "hidden_act", "silu") == "silu"
-            and attn.o_proj.bias is None and mlp.gate_proj.bias is None and mlp.down_proj.bias is None
-            and not hasattr(attn, "q_norm") and getattr(cfg, "pretraining_tp", 1) == 1)
-
-
 class FusedDecoder:
-    """hidden states = FusedDecoder(model)(input_ids [T], positions [T], context)."""
+    """hidden states = FusedDecoder(...)(input_ids [T], positions [T], context); logits(hidden)."""
 
-    def __init__(self, model) -> None:
-        base = model.base_model
-        cfg = model.config
-        attn = base.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.scale = attn.scaling
-        self.eps = cfg.rms_norm_eps
-        self.embed = base.embed_tokens.weight
-        self.rotary = base.rotary_emb
-        self.final_norm = base.norm.weight
-        if self.embed.device.type == "cpu":
+    def __init__(self, config: ModelConfig, checkpoint: Checkpoint) -> None:
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.scale = config.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.rotary = RotaryEmbedding.of(config, checkpoint.device)
+        if checkpoint.device.type == "cpu":
             fused_extension()  # build (once per machine) now rather than inside the first step
+        self.embed = checkpoint.get("model.embed_tokens.weight")
+        self.final_norm = checkpoint.get("model.norm.weight")
         self.layers = []
-        for layer in base.layers:
-            a, m = layer.self_attn, layer.mlp
+        for i in range(config.num_hidden_layers):
+            prefix = f"model.layers.{i}"
             self.layers.append(FusedLayer(
-                input_norm=layer.input_layernorm.weight.detach(),
-                qkv=_pack([a.q_proj, a.k_proj, a.v_proj]),
-                o_proj=_pack([a.o_proj]),
-                post_attention_norm=layer.post_attention_layernorm.weight.detach(),
-                gate_up=_pack([m.gate_proj, m.up_proj]),
-                down=_pack([m.down_proj]),
+                input_norm=checkpoint.get(f"{prefix}.input_layernorm.weight"),
+                qkv=_pack(checkpoint, [f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]),
+                o_proj=_pack(checkpoint, [f"{prefix}.self_attn.o_proj"]),
+                post_attention_norm=checkpoint.get(f"{prefix}.post_attention_layernorm.weight"),
+                gate_up=_pack(checkpoint, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
+                down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
             ))
-        del base.layers  # their weights now live (packed) in self.layers only
-        head = model.get_output_embeddings()
-        tied = head.weight.data_ptr() == self.embed.data_ptr()
-        self.lm_head = (PackedLinear.share if tied else PackedLinear.pack)(head.weight, head.bias)
+        self.lm_head = (PackedLinear.share(self.embed) if config.tie_word_embeddings
+                        else _pack(checkpoint, ["lm_head"]))
 
-    @classmethod
-    def build(cls, model) -> "FusedDecoder | None":
-        return cls(model) if fusable(model) else None
+    @staticmethod
+    def unsupported(config: ModelConfig, checkpoint: Checkpoint | None) -> str | None:
+        """Why this decoder cannot run the model (the stock forward can), or None if it can."""
+        if checkpoint is None:
+            return "its weights are not in safetensors files"
+        if config.model_type not in FUSABLE_TYPES:
+            return f"{config.model_type} layers"
+        if "model.layers.0.self_attn.q_norm.weight" in checkpoint:
+            return "per-head q/k norms"
+        if config.hidden_act != "silu":
+            return f"the {config.hidden_act} activation"
+        biased = [name for name in ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+                  if f"model.layers.0.{name}.bias" in checkpoint]
+        if biased:
+            return f"biased {', '.join(biased)}"
+        if config.raw.get("pretraining_tp", 1) != 1:
+            return "tensor-parallel-split linears (pretraining_tp)"
+        if not config.tie_word_embeddings and "lm_head.weight" not in checkpoint:
+            return "no lm_head.weight, and the head is not tied to the embedding table"
+        return unsupported_rope(config)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         residual = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual stream, updated in place
-        cos, sin = (t[0].contiguous() for t in self.rotary(residual, positions[None]))
+        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
         meta, backend = context.meta, context.backend
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
@@ -141,3 +135,16 @@ class FusedDecoder:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+
+def _pack(checkpoint: Checkpoint, prefixes: list[str]) -> PackedLinear:
+    """One packed linear computing the named ones side by side; their sources are released after."""
+    weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
+    biases = [checkpoint.get(f"{p}.bias") if f"{p}.bias" in checkpoint else None for p in prefixes]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
+    packed = PackedLinear.pack(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+    if packed.packed or len(weights) > 1:  # the file's pages of these weights are dead weight now
+        for w in weights:
+            release_pages(w)
+    return packed

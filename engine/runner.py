@@ -1,9 +1,9 @@
 """ModelRunner: owns the model and the paged KV cache; turns a scheduled step into sampled tokens.
 
 A step is one flattened sequence of every scheduled request's new tokens (no padding): positions,
-slot mapping and block tables come from the requests' progress, kvloom's fused decoder (or the
-stock model with paged attention plugged in) runs it, and only the rows that end a request's known
-tokens reach the LM head.
+slot mapping and block tables come from the requests' progress, the decoder (kvloom's fused one, or
+the stock model with paged attention plugged in) runs it, and only the rows that end a request's
+known tokens reach the LM head.
 """
 
 import torch
@@ -11,16 +11,12 @@ import torch
 from kvloom.engine.attention import ForwardContext
 from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.host_memory import advise_huge_pages
+from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
+from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.metadata import AttentionMetadata
-
-
-def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_layer = 2 * hf_config.num_key_value_heads * head_dim * torch.finfo(dtype).bits // 8
-    return per_layer * hf_config.num_hidden_layers
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -36,24 +32,18 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
 
 class ModelRunner:
     def __init__(
-        self, model, backend: AttentionBackend, num_blocks: int, block_size: int,
-        kv_dtype: torch.dtype, device: torch.device, fused: FusedDecoder | None = None,
+        self, decoder: FusedDecoder | StockDecoder, config: ModelConfig, backend: AttentionBackend,
+        num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device,
     ) -> None:
-        """`fused`: kvloom's own forward over the model's weights; None runs the stock forward."""
-        self.model = model
-        self.fused = fused
+        self.decoder = decoder
         self.backend = backend
         self.block_size = block_size
         self.device = device
-        cfg = model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, head_dim)
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
         self.kv_caches = [
             (allocate_kv_cache(shape, kv_dtype, device), allocate_kv_cache(shape, kv_dtype, device))
-            for _ in range(cfg.num_hidden_layers)
+            for _ in range(config.num_hidden_layers)
         ]
-        self.decoder = model.base_model
-        self.lm_head = model.get_output_embeddings()
 
     @torch.inference_mode()
     def execute(
@@ -80,14 +70,9 @@ class ModelRunner:
         context = ForwardContext(meta, self.kv_caches, self.backend)
         ids = torch.tensor(input_ids, device=self.device)
         pos = torch.tensor(positions, device=self.device)
-        if self.fused is not None:
-            hidden = self.fused(ids, pos, context)
-        else:
-            hidden = self.decoder(input_ids=ids[None], position_ids=pos[None], use_cache=False,
-                                  kvloom_context=context).last_hidden_state[0]
+        hidden = self.decoder(ids, pos, context)
         if not sample_requests:
             return {}
-        head = self.fused.logits if self.fused is not None else self.lm_head
-        logits = head(hidden[sample_rows])
+        logits = self.decoder.logits(hidden[sample_rows])
         tokens = sample(logits, sample_requests, [generators[r.request_id] for r in sample_requests])
         return {r.request_id: t for r, t in zip(sample_requests, tokens)}

@@ -63,12 +63,10 @@ def _sse(data: dict | str) -> str:
 class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
         """`replicas_handle` runs requests (prefill replicas when `decode_handle` is given)."""
-        from transformers import AutoTokenizer
-
-        from kvloom.engine.model_loader import resolve_model_dir
+        from kvloom.engine.model_loader import load_tokenizer, resolve_model_dir
 
         self.settings = RouterSettings(**settings)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(self.settings.model), local_files_only=True)
+        self.tokenizer = load_tokenizer(resolve_model_dir(self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)

@@ -10,12 +10,11 @@ holds no KV blocks. Aborts, at any stage of a request's life, free everything it
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoConfig
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.runner import kv_bytes_per_token
+from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 MAX_MODEL_LEN = 64
@@ -26,7 +25,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0)
 
 
 def block_bytes(tiny_model_dir) -> int:
-    return kv_bytes_per_token(AutoConfig.from_pretrained(tiny_model_dir), torch.float32) * BLOCK_SIZE
+    return ModelConfig.from_dir(tiny_model_dir).kv_bytes_per_token(torch.float32) * BLOCK_SIZE
 
 
 @pytest.fixture(scope="module")

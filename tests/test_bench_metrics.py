@@ -10,6 +10,7 @@ from kvloom.benchmarks.harness import SystemResult, SystemSpec
 from kvloom.benchmarks.metrics import BatchCounters, LatencyStats, RequestRecord, RunMetrics, percentile, summarize
 from kvloom.benchmarks.sweep import parse_sweep, summarize_sweep
 from kvloom.benchmarks.workloads import TokenCorpus, Workload, make_workload, synthetic_text
+from kvloom.engine.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +243,7 @@ def test_paired_decode_probe_alternates_real_steps_and_gemms(tiny_model_dir):
     probe = paired_decode_probe(str(tiny_model_dir), threads=1, batch=4, context=20, rounds=2, steps_per_round=2)
     assert len(probe["step_s"]) == 4 and len(probe["gemm_rates"]) == 2
     assert probe["best_step_s"] == min(probe["step_s"]) and probe["gemm_rate"] == max(probe["gemm_rates"])
-    from transformers import AutoConfig
-    shape = ModelShape.of(AutoConfig.from_pretrained(tiny_model_dir))
+    shape = ModelShape.of(ModelConfig.from_dir(tiny_model_dir))
     # the best step is one of the four: 4 requests of 22-25 keys (prefill gave 21 tokens, one decode step untimed)
     per_token = shape.token_flops() + shape.head_flops()
     keys = (probe["flops_per_step"] - 4 * per_token) / (4 * shape.heads * shape.head_dim * shape.layers)

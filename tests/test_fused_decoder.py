@@ -1,18 +1,26 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
 The fused C++ rotary and residual-add + RMSNorm ops equal their torch definitions; a linear run by oneDNN (packed, or
-shared with a tied embedding) equals F.linear at every row count a step can have; architectures the decoder covers (Llama,
-Qwen2 with its QKV biases) run fused and match `generate` token for token; one it does not cover
-(Qwen3's per-head q/k norms) runs the stock forward under `auto` and is refused by name under
-`model_impl="kvloom"`.
+shared with a tied embedding) equals F.linear at every row count a step can have; RoPE tables equal transformers' for
+every variant the decoder runs; architectures the decoder covers (Llama, Qwen2 with its QKV biases) run fused and match
+`generate` token for token, and load without transformers' model classes; one it does not cover (Qwen3's per-head q/k
+norms) runs the stock forward under `auto` and is refused, with the reason, under `model_impl="kvloom"`.
 """
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from kvloom.engine import decoder
+from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
+from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops
 from kvloom.kernels.packed_linear import PackedLinear
@@ -72,7 +80,7 @@ def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_mo
     """No second copy of the table: the head's weight is the very tensor the embedding lookup reads."""
     model_dir = build_tiny_model(tmp_path, tied=True)
     engine = LLMEngine(model=str(model_dir), block_size=4)
-    fused = engine.runner.fused
+    fused = engine.decoder
     assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(model_dir, PROMPTS, 16)
@@ -85,16 +93,54 @@ def test_the_mlp_in_row_passes_matches_generate(tiny_model_dir, monkeypatch, gre
 
 
 def test_an_untied_lm_head_is_packed(tiny_model_dir):
-    fused = LLMEngine(model=str(tiny_model_dir), block_size=4).runner.fused
+    fused = LLMEngine(model=str(tiny_model_dir), block_size=4).decoder
     assert fused.lm_head.packed == torch.backends.mkldnn.is_available()
 
 
-def test_the_fused_decoder_takes_the_stock_layers_over(tiny_model_dir):
-    """Their weights live packed in the fused decoder only: the stock forward must not run on released pages."""
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4)
-    assert engine.runner.fused is not None
-    with pytest.raises(AttributeError, match="layers"):
-        engine.model.base_model(input_ids=torch.tensor([[1, 2, 3]]))
+def test_a_fused_engine_never_imports_the_transformers_model_classes(tiny_model_dir):
+    """They pull torch._dynamo, sympy and torch.distributed in: ~180 MB of every replica's memory."""
+    script = (
+        "import sys; from kvloom.engine.llm_engine import LLMEngine; "
+        f"engine = LLMEngine(model={str(tiny_model_dir)!r}, block_size=4); "
+        "print(type(engine.decoder).__name__, [m for m in ('torch._dynamo', 'sympy', 'transformers.modeling_utils') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "FusedDecoder" and out.strip().endswith("[]"), out
+
+
+ROPE_VARIANTS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 256},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+}
+
+
+def with_rope(tmp_path, model_dir, rope: dict | None):
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw["rope_parameters"] = {"rope_theta": 10000.0, **(rope or {"rope_type": "default"})}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_rope_tables_equal_the_stock_models(tmp_path, tiny_model_dir, variant):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = with_rope(tmp_path, tiny_model_dir, ROPE_VARIANTS[variant])
+    assert unsupported_rope(config) is None
+    positions = torch.tensor([0, 1, 5, 255, 256, 1000])
+    cos, sin = RotaryEmbedding.of(config, torch.device("cpu")).cos_sin(positions, torch.float32)
+    stock_cos, stock_sin = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path))(cos, positions[None])
+    torch.testing.assert_close((cos, sin), (stock_cos[0], stock_sin[0]), atol=0, rtol=0)
+
+
+def test_length_dependent_rope_keeps_the_stock_forward(tmp_path, tiny_model_dir):
+    config = with_rope(tmp_path, tiny_model_dir, {"rope_type": "dynamic", "factor": 2.0})
+    assert "dynamic" in unsupported_rope(config)
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +151,11 @@ def family_dirs(tmp_path_factory, build_tiny_model):
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_each_family_matches_generate_under_auto(family_dirs, model_type, greedy_reference, drive):
     engine = LLMEngine(model=str(family_dirs[model_type]), block_size=4)
-    assert (engine.runner.fused is not None) == (model_type == "qwen2")
+    assert type(engine.decoder) is (FusedDecoder if model_type == "qwen2" else StockDecoder)
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(family_dirs[model_type], PROMPTS, 16)
 
 
 def test_fused_decoder_refuses_an_architecture_it_does_not_cover(family_dirs):
-    with pytest.raises(ConfigError, match="model_impl"):
+    with pytest.raises(ConfigError, match="model_impl.*does not cover this model \\(qwen3 layers\\)"):
         LLMEngine(model=str(family_dirs["qwen3"]), model_impl="kvloom")

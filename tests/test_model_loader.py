@@ -188,8 +188,8 @@ def no_network(monkeypatch):
 def test_loading_never_touches_the_network(no_network, tiny_model_dir, smollm2_dir):
     assert os.environ.get("HF_HUB_OFFLINE") == "1"
     for model in (str(tiny_model_dir), "smollm2"):
-        hf_model, tokenizer = load_model(model, torch.float32, CPU)
-        assert hf_model.config.model_type == "llama"
-        assert tokenizer.eos_token is not None
+        loaded = load_model(model, torch.float32, CPU)
+        assert loaded.config.model_type == "llama"
+        assert loaded.tokenizer.eos_token is not None
     engine = LLMEngine(model=str(tiny_model_dir), device="cpu", kv_cache_memory_bytes=1 << 20)
     assert engine.tokenizer.encode("w3 w4") == [3, 4]

@@ -6,10 +6,9 @@ batch, and again under chunked prefill, preemption, prefix-cache hits and late a
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.runner import kv_bytes_per_token
+from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transformers 16x64 steps
@@ -80,7 +79,7 @@ def test_chunked_prefill_budget_32(smollm2_dir, engine_prompts, expected, drive)
 
 
 def test_small_pool_preempts(smollm2_dir, engine_prompts, expected, drive):
-    per_block = kv_bytes_per_token(AutoConfig.from_pretrained(smollm2_dir), torch.float32) * 16
+    per_block = ModelConfig.from_dir(smollm2_dir).kv_bytes_per_token(torch.float32) * 16
     # 44 blocks: room for one request of max_model_len (704) tokens, far less than the batch needs
     engine = LLMEngine(model=str(smollm2_dir), max_model_len=704, kv_cache_memory_bytes=44 * per_block)
     assert tokens(drive(engine, engine_prompts, GREEDY)) == expected

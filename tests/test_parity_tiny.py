@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
-from transformers import AutoConfig
 
+from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.runner import kv_bytes_per_token
+from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 MAX_NEW = 24
@@ -43,7 +43,7 @@ def tokens(outputs):
 def test_one_concurrent_batch_matches_generate(tiny_model_dir, prompts, expected, drive, backend, model_impl):
     """Both forwards: kvloom's fused decoder and the stock model with paged attention plugged in."""
     engine = LLMEngine(model=str(tiny_model_dir), block_size=4, attention_backend=backend, model_impl=model_impl)
-    assert (engine.runner.fused is not None) == (model_impl == "kvloom")
+    assert isinstance(engine.decoder, FusedDecoder) == (model_impl == "kvloom")
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 
@@ -79,4 +79,4 @@ def test_requests_added_mid_decode_match_generate(tiny_model_dir, prompts, expec
 
 
 def engine_kv_bytes_per_token(model_dir) -> int:
-    return kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
+    return ModelConfig.from_dir(model_dir).kv_bytes_per_token(torch.float32)

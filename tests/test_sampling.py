@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.runner import kv_bytes_per_token
+from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 PROMPTS = {
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 
 
 def tiny_engine(model_dir, **overrides) -> LLMEngine:
-    block_bytes = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32) * 4
+    block_bytes = ModelConfig.from_dir(model_dir).kv_bytes_per_token(torch.float32) * 4
     settings = dict(model=str(model_dir), device="cpu", block_size=4, max_model_len=256,
                     kv_cache_memory_bytes=256 * block_bytes, max_num_seqs=8)
     return LLMEngine(**{**settings, **overrides})
