@@ -17,8 +17,9 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 class Checkpoint:
-    def __init__(self, files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_dir: Path, files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> None:
         """`files`: tensor name -> the file holding it; tensors are read as `dtype` on `device`."""
+        self.model_dir = model_dir
         self._files = files
         self.dtype = dtype
         self.device = device
@@ -30,10 +31,10 @@ class Checkpoint:
         try:
             if (model_dir / INDEX_FILE).is_file():
                 weight_map = json.loads((model_dir / INDEX_FILE).read_text())["weight_map"]
-                return cls({name: model_dir / file for name, file in weight_map.items()}, dtype, device)
+                return cls(model_dir, {name: model_dir / file for name, file in weight_map.items()}, dtype, device)
             if (model_dir / SINGLE_FILE).is_file():
                 with safe_open(model_dir / SINGLE_FILE, framework="pt") as f:
-                    return cls(dict.fromkeys(f.keys(), model_dir / SINGLE_FILE), dtype, device)
+                    return cls(model_dir, dict.fromkeys(f.keys(), model_dir / SINGLE_FILE), dtype, device)
         except (OSError, KeyError, json.JSONDecodeError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read the weights in {model_dir}: {exc}") from exc
         return None
@@ -44,7 +45,7 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         path = self._files.get(name)
         if path is None:
-            raise ModelLoadError(f"the checkpoint in {next(iter(self._files.values())).parent} has no tensor {name}")
+            raise ModelLoadError(f"the checkpoint in {self.model_dir} has no tensor {name}")
         try:
             if path not in self._open:
                 self._open[path] = safe_open(path, framework="pt")

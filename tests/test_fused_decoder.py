@@ -16,7 +16,7 @@ import torch
 
 from kvloom.engine import decoder
 from kvloom.engine.decoder import FusedDecoder
-from kvloom.engine.errors import ConfigError
+from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
@@ -107,6 +107,33 @@ def test_a_fused_engine_never_imports_the_transformers_model_classes(tiny_model_
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.split()[0] == "FusedDecoder" and out.strip().endswith("[]"), out
+
+
+def test_a_sharded_checkpoint_runs_fused_and_matches_generate(tmp_path, tiny_model_dir, greedy_reference, drive):
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_model_dir).save_pretrained(sharded, max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
+    engine = LLMEngine(model=str(sharded), block_size=4, model_impl="kvloom")
+    outputs = drive(engine, PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
+
+
+def test_a_checkpoint_missing_a_weight_names_it(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file, save_file
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for item in tiny_model_dir.iterdir():
+        (damaged / item.name).write_bytes(item.read_bytes())
+    weights = load_file(damaged / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="has no tensor model.layers.1.mlp.down_proj.weight"):
+        LLMEngine(model=str(damaged), block_size=4)
 
 
 ROPE_VARIANTS = {
