@@ -257,7 +257,7 @@ PAIRED_PROBE = {"efficiency": 0.65, "median_efficiency": 0.55, "best_step_s": 0.
 
 # ---- goals --------------------------------------------------------------------------------------
 def test_goals_compare_the_right_systems_and_say_when_unmeasured():
-    from kvloom.benchmarks.goals import chat_goal, long_prefill_goal, prefix_goal, w1_goals
+    from kvloom.benchmarks.goals import chat_goal, long_prefill_goal, prefix_goal, w1_goals, w1_time_goal
 
     def run(rate=None, **systems) -> dict:
         results = [{"spec": {"name": name, "kind": "hf-cb" if name.startswith("hf") else "kvloom",
@@ -288,6 +288,8 @@ def test_goals_compare_the_right_systems_and_say_when_unmeasured():
     assert long_prefill_goal(run(continuous={"tpot": {"p99": 0.5}})).met is None
     shared = run(on={"output_tok_s": 30.0, "prefix_hit_rate": 0.8}, off={"output_tok_s": 10.0})
     assert prefix_goal(shared, "on", "off").met and "3.00x" in prefix_goal(shared, "on", "off").measured
+    assert w1_time_goal(14.5 * 60).met and "0.5 min under" in w1_time_goal(14.5 * 60).measured
+    assert w1_time_goal(16 * 60).met is False and w1_time_goal(None).met is None
 
 
 def fake_run_systems(workload, systems, settings, out_dir, label, budget_s=None) -> dict:
@@ -327,6 +329,7 @@ def test_suite_renders_every_section_from_fake_runs(tmp_path, monkeypatch, corpu
         assert heading in md
     assert "hf-static-32" in md
     assert "alternated in one process" in md
+    assert "| W1 in one command | every strategy, both peers and the roofline within 15 min | 0.1 min" in md
     committed = json.loads((tmp_path / "results" / "cpu.json").read_text())
     assert all(r["outputs"] == {} and r["steps"] == [] for r in committed["w1"]["results"])
     assert len(list((tmp_path / "results").glob("*.png"))) >= 10
