@@ -8,6 +8,8 @@ norms) runs the stock forward under `auto` and is refused, with the reason, unde
 """
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
@@ -125,14 +127,12 @@ def test_a_sharded_checkpoint_runs_fused_and_matches_generate(tmp_path, tiny_mod
 def test_a_checkpoint_missing_a_weight_names_it(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file, save_file
 
-    damaged = tmp_path / "damaged"
-    damaged.mkdir()
-    for item in tiny_model_dir.iterdir():
-        (damaged / item.name).write_bytes(item.read_bytes())
+    damaged = shutil.copytree(tiny_model_dir, tmp_path / "damaged")
     weights = load_file(damaged / "model.safetensors")
     del weights["model.layers.1.mlp.down_proj.weight"]
     save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ModelLoadError, match="has no tensor model.layers.1.mlp.down_proj.weight"):
+    with pytest.raises(ModelLoadError,
+                       match=re.escape(f"the checkpoint in {damaged} has no tensor model.layers.1.mlp.down_proj.weight")):
         LLMEngine(model=str(damaged), block_size=4)
 
 
