@@ -14,11 +14,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from kvloom.benchmarks.external_peers import KINDS as EXTERNAL_KINDS
+from kvloom.benchmarks.external_peers import external_systems, run_external
 from kvloom.benchmarks.harness import STRATEGIES, BenchSettings, SystemResult, SystemSpec, run_isolated
 from kvloom.benchmarks.workloads import Workload
+from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
 
 DEFAULT_STRATEGIES = list(STRATEGIES)
 DEFAULT_PEERS = ["hf-static", "hf-cb"]
+KNOWN_PEERS = [*DEFAULT_PEERS, *EXTERNAL_KINDS]
 DEFAULT_HF_BATCHES = (8, 16, 32)
 REFERENCE = "continuous"  # the system others are compared with (outputs, roofline, goals)
 RESERVE_S = 60.0  # under a time budget, what each system still to come is guaranteed
@@ -32,9 +36,9 @@ def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT
     hf-static-B the first `hf_static_batches` x B requests (whole batches), hf-cb the first
     `peer_requests`. None runs the whole workload.
     """
-    unknown = [s for s in strategies if s not in STRATEGIES] + [p for p in peers if p not in DEFAULT_PEERS]
+    unknown = [s for s in strategies if s not in STRATEGIES] + [p for p in peers if p not in KNOWN_PEERS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; strategies: {list(STRATEGIES)}, peers: {DEFAULT_PEERS}")
+        raise ValueError(f"unknown system(s) {unknown}; strategies: {list(STRATEGIES)}, peers: {KNOWN_PEERS}")
     kvloom = [SystemSpec(s, "kvloom", strategy=s) for s in strategies]
     others = []
     if "hf-cb" in peers:
@@ -42,6 +46,7 @@ def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT
     if "hf-static" in peers:
         others += [SystemSpec(f"hf-static-{b}", "hf-static", batch_size=b,
                               num_requests=hf_static_batches and hf_static_batches * b) for b in hf_batch_sizes]
+    others += external_systems([p for p in peers if p in EXTERNAL_KINDS])
     # Under a time budget, what runs first is what is sure to finish: the reference, then the peers.
     return [s for s in kvloom if s.name == REFERENCE] + others + [s for s in kvloom if s.name != REFERENCE]
 
@@ -77,9 +82,11 @@ def environment(settings: BenchSettings) -> dict:
     import torch
     import transformers
 
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(),
+    return {"host": platform.node(), "cpu": host_isa().describe(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": settings.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
+            "auto_dtype": auto_cpu_dtype(host_isa()),
             "settings": asdict(settings)}
 
 
@@ -100,7 +107,8 @@ def run_systems(workload: Workload, systems: list[SystemSpec], settings: BenchSe
         if deadline is not None:
             left = len(systems) - i - 1
             limit = min(limit, max(deadline - time.monotonic() - RESERVE_S * left, RESERVE_S))
-        result = run_isolated(spec, path, settings, out_dir / "systems" / spec.name, limit)
+        run = run_external if spec.kind in EXTERNAL_KINDS else run_isolated
+        result = run(spec, path, settings, out_dir / "systems" / spec.name, limit)
         m = result.metrics
         tqdm.write(f"  {spec.name:<20} {result.status:<8} "
                    + (f"{m.output_tok_s:7.1f} out tok/s  {m.num_requests} req  {m.wall_s:6.1f} s" if m else "")

@@ -66,7 +66,7 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _request_rows(records: list[RequestRecord]) -> list[dict]:
+def request_rows(records: list[RequestRecord]) -> list[dict]:
     return [{"id": r.request_id, "prompt": r.num_prompt_tokens, "output": r.num_output_tokens,
              "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e} for r in records]
 
@@ -137,7 +137,7 @@ def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_di
     if spec.num_requests is not None:
         metrics.notes.append(f"stated subset: first {spec.num_requests} requests of the workload")
     (out / "result.json").write_text(json.dumps({
-        "metrics": asdict(metrics), "requests": _request_rows(records),
+        "metrics": asdict(metrics), "requests": request_rows(records),
         "outputs": {r.request_id: r.output_token_ids for r in records}, "rss_after_load_mb": loaded,
         "steps": steps,
     }))
@@ -187,5 +187,5 @@ def run_isolated(spec: SystemSpec, workload_path: Path, settings: BenchSettings,
     if status == "ok":
         status = f"error: exit code {process.exitcode} (see the log above)"
     metrics, records = _partial(spec, out_dir, limit_s)
-    return SystemResult(spec, status, metrics, _request_rows(records),
+    return SystemResult(spec, status, metrics, request_rows(records),
                         {r.request_id: r.output_token_ids for r in records}, elapsed)

@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
+from kvloom.engine.cpu_threads import openmp_env
 from kvloom.replicas.disagg import DecodeReplica, PrefillReplica
 from kvloom.replicas.engine_replica import EngineReplica
 from kvloom.router.policies import PolicyConfig
@@ -52,7 +53,8 @@ def build_app(config: ClusterConfig) -> serve.Application:
     def replica_deployment(cls, name: str, replica_scaling: dict):
         return serve.deployment(cls).options(
             name=name,
-            ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus},
+            ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus,
+                               "runtime_env": {"env_vars": openmp_env()}},
             max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
             request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
             health_check_period_s=2,

@@ -98,11 +98,6 @@ def _csv(cast):
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import os
-
-    # Sleep, do not spin, at OpenMP barriers: on a shared CPU a spinning thread pool loses its time
-    # slice to the neighbours and small GEMMs run up to 10x slower. Set before any torch import.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.workload == MULTI_TENANT:  # the fairness benchmark: its own cluster, phases and report
         from kvloom.benchmarks.fairness import main as fairness
 

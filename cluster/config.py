@@ -19,7 +19,9 @@ class Strict(BaseModel):
 class ReplicaResources(Strict):
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
-    torch_threads: int | None = Field(None, ge=1, description="intra-op threads per CPU replica")
+    torch_threads: int | None = Field(
+        None, ge=1, description="intra-op threads per CPU replica; default: the node's CPUs split evenly "
+                                "among the replicas on it (a lone replica uses them all)")
 
 
 class RouterConfig(PolicyConfig, Strict):

@@ -15,6 +15,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+import torch
+
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
@@ -38,9 +40,32 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _coalesce(output: RequestOutput, pending: asyncio.Queue) -> tuple[RequestOutput, BaseException | None]:
+    """`output` joined with the outputs already queued behind it: one item carrying all their new tokens.
+
+    A consumer that keeps up gets every step's output on its own; one that falls behind (a replica's
+    stream through Ray to the router and the HTTP proxy, all sharing a few cores with the engine) gets
+    one item per pull instead of a backlog of one-token items, each costing a Ray message and an SSE
+    event. Outputs are cumulative, so the last one stands for all; only the deltas are joined. An error
+    found behind them is returned, for the caller to raise after yielding what came before it.
+    """
+    while not output.finished and not pending.empty():
+        later = pending.get_nowait()
+        if isinstance(later, BaseException):
+            return output, later
+        for before, after in zip(output.outputs, later.outputs):
+            after.delta_text = before.delta_text + after.delta_text
+            after.delta_token_ids = before.delta_token_ids + after.delta_token_ids
+        output = later
+    return output, None
+
+
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
+                 num_threads: int | None = None) -> None:
+        """`num_threads`: torch intra-op threads for the step loop (default: torch's own setting)."""
         self.engine = engine or LLMEngine(config or EngineConfig())
+        self.num_threads = num_threads
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -72,11 +97,15 @@ class AsyncLLMEngine:
         self._streams[request.request_id] = stream
         self._send(start or (lambda engine: engine.add_prepared(request)), stream)
         finished = False
+        error: BaseException | None = None  # met while coalescing: raised after what came before it
         try:
             while not finished:
+                if error is not None:
+                    raise error
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                item, error = _coalesce(item, stream.queue)
                 finished = item.finished
                 yield item
         finally:
@@ -102,6 +131,12 @@ class AsyncLLMEngine:
 
         self._send(call)
         return await future
+
+    def set_num_threads(self, num_threads: int) -> None:
+        """Change the step loop's thread count. OpenMP's count is per calling thread, so it is set on the
+        engine's own thread (setting it anywhere else would not reach the step loop)."""
+        self.num_threads = num_threads
+        self._send(lambda engine: torch.set_num_threads(num_threads))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -136,6 +171,8 @@ class AsyncLLMEngine:
                 errors_to.put(exc)
 
     def _run(self) -> None:
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
         try:
             while not self._stopped:
                 self._wake.clear()

@@ -42,7 +42,8 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._files
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor as the checkpoint's dtype, or as `dtype` where a caller keeps it wider."""
         path = self._files.get(name)
         if path is None:
             raise ModelLoadError(f"the checkpoint in {self.model_dir} has no tensor {name}")
@@ -52,4 +53,4 @@ class Checkpoint:
             tensor = self._open[path].get_tensor(name)
         except (OSError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read {name} from {path}: {exc}") from exc
-        return tensor.to(device=self.device, dtype=self.dtype)
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)

@@ -11,8 +11,10 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = DEFAULT_MODEL
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
-    # KV cache storage; auto = the model's dtype. Narrower halves the bytes decode attention streams
+    # auto: bfloat16 on a CPU that multiplies it in hardware (AMX or AVX512-BF16), float32 on other
+    # CPUs; bfloat16 on CUDA devices that support it (see kernels/host_isa.py)
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # KV cache storage; auto = the engine's dtype. Narrower halves the bytes decode attention streams
     # and doubles the tokens a budget holds, at the cost of rounding K/V (outputs may drift from fp32)
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

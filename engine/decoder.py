@@ -7,6 +7,11 @@ same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in
 and SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`PackedLinear`:
 1.5-2x MKL's GEMM at decode batch sizes).
 
+Under a bfloat16 model the GEMMs, the KV cache and the attention inputs are bfloat16 (AMX tiles on
+the CPUs that have them), while the residual stream, the norm weights, the rotary tables and every
+reduction stay float32: the residual is the sum of every sublayer's output, where bfloat16 rounding
+would accumulate, and at 576 floats per token it costs next to nothing to keep wide.
+
 It reads the safetensors file directly rather than through transformers' model classes, whose import
 alone costs ~180 MB per process (see `model_config.py`). Each source weight is released as soon as it is
 packed, so nothing is held twice. An untied LM head is packed too; a head tied to the embedding table
@@ -59,21 +64,25 @@ class FusedDecoder:
         self.rotary = RotaryEmbedding.of(config, checkpoint.device)
         if checkpoint.device.type == "cpu":
             fused_extension()  # build (once per machine) now rather than inside the first step
+        self.dtype = checkpoint.dtype
         self.embed = checkpoint.get("model.embed_tokens.weight")
-        self.final_norm = checkpoint.get("model.norm.weight")
+        norm = lambda name: checkpoint.get(name, torch.float32)  # noqa: E731  (the residual's dtype)
+        self.final_norm = norm("model.norm.weight")
         self.layers = []
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
             self.layers.append(FusedLayer(
-                input_norm=checkpoint.get(f"{prefix}.input_layernorm.weight"),
+                input_norm=norm(f"{prefix}.input_layernorm.weight"),
                 qkv=_pack(checkpoint, [f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]),
                 o_proj=_pack(checkpoint, [f"{prefix}.self_attn.o_proj"]),
-                post_attention_norm=checkpoint.get(f"{prefix}.post_attention_layernorm.weight"),
+                post_attention_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
                 gate_up=_pack(checkpoint, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
                 down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
             ))
-        self.lm_head = (PackedLinear.share(self.embed) if config.tie_word_embeddings
-                        else _pack(checkpoint, ["lm_head"]))
+        if not config.tie_word_embeddings:
+            self.lm_head = _pack(checkpoint, ["lm_head"])
+        else:
+            self.lm_head = PackedLinear.share(self.embed) if self.dtype == torch.float32 else PackedLinear.pack(self.embed)
 
     @staticmethod
     def unsupported(config: ModelConfig, checkpoint: Checkpoint | None) -> str | None:
@@ -100,12 +109,14 @@ class FusedDecoder:
         num_tokens = input_ids.shape[0]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
-        residual = F.embedding(input_ids, self.embed)  # a fresh tensor: the residual stream, updated in place
-        cos, sin = self.rotary.cos_sin(positions, residual.dtype)
+        # a fresh float32 tensor: the residual stream, updated in place
+        residual = F.embedding(input_ids, self.embed).float()
+        cos, sin = self.rotary.cos_sin(positions)
+        dtype, eps = self.dtype, self.eps
         meta, backend = context.meta, context.backend
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        hidden = add_rms_norm_(residual, None, self.layers[0].input_norm, self.eps)
+        hidden = add_rms_norm_(residual, None, self.layers[0].input_norm, eps, dtype)
         for layer, next_norm, (key_cache, value_cache) in zip(self.layers, next_norms, context.kv_caches):
             qkv = layer.qkv(hidden)
             rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
@@ -115,7 +126,7 @@ class FusedDecoder:
             out = backend.paged_attention(q.view(num_tokens, heads, head_dim), key_cache, value_cache, meta,
                                           self.scale)
             hidden = add_rms_norm_(residual, layer.o_proj(out.reshape(num_tokens, -1)), layer.post_attention_norm,
-                                   self.eps)
+                                   eps, dtype)
             hidden = self._mlp(layer, hidden, residual, next_norm)
         return hidden
 
@@ -130,7 +141,7 @@ class FusedDecoder:
         for i in range(0, hidden.shape[0], MLP_ROWS):
             rows = slice(i, i + MLP_ROWS)
             mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden[rows])))
-            chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps))
+            chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps, self.dtype))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
 from kvloom.kernels.backends import select_backend
+from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype, host_isa
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,21 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def resolve_dtype(requested: str, device: torch.device, isa: HostISA | None = None) -> torch.dtype:
+    """The engine's dtype; `auto` asks the hardware (and says what it found, once per engine)."""
+    if requested != "auto":
+        return DTYPES[requested]
+    if device.type == "cuda":
+        bf16 = torch.cuda.is_bf16_supported()
+        chosen, reason = ("bfloat16", "CUDA device") if bf16 else ("float16", "CUDA device without bfloat16")
+    else:
+        isa = isa or host_isa()
+        chosen = auto_cpu_dtype(isa)
+        reason = isa.describe() + (": bfloat16 in hardware" if isa.fast_bfloat16 else ": no bfloat16 units")
+    logger.info("kvloom engine dtype %s (auto; %s)", chosen, reason)
+    return DTYPES[chosen]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
         if overrides:  # on top of `config` if given; validated, so an unknown key still fails
@@ -64,7 +80,7 @@ class LLMEngine:
         config = config or EngineConfig()
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         loaded = load_model(config.model, self.dtype, self.device, config.model_impl)
         self.model_config, self.tokenizer, self.decoder = loaded.config, loaded.tokenizer, loaded.decoder

@@ -45,8 +45,8 @@ class RotaryEmbedding:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, device)
         return cls(inv_freq.to(device=device, dtype=torch.float), float(scaling))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin, [T, head_dim] each (both halves repeated), for positions [T]."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin, float32 [T, head_dim] each (both halves repeated), for positions [T]."""
         freqs = positions[:, None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
-        return (angles.cos() * self.attention_scaling).to(dtype), (angles.sin() * self.attention_scaling).to(dtype)
+        return angles.cos() * self.attention_scaling, angles.sin() * self.attention_scaling

@@ -37,20 +37,21 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
-    """`logits` is [len(requests), vocab]; one generator per request keeps seeded runs reproducible."""
-    logits = logits.float()
+    """`logits` is [len(requests), vocab] in the model's dtype; one generator per request keeps seeded
+    runs reproducible. Greedy rows read the logits as they are (no widened copy of the batch's); a
+    sampled row, or one asking for logprobs, is widened to float32 alone."""
     tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and 2.5x faster on CPU
     for row, request in enumerate(requests):
         params = request.sampling_params
         if params.greedy:
             continue
-        row_logits = _filter_top_k_top_p(logits[row] / params.temperature, params.top_k, params.top_p)
+        row_logits = _filter_top_k_top_p(logits[row].float() / params.temperature, params.top_k, params.top_p)
         probs = row_logits.softmax(-1)
         tokens[row] = _draw(probs, generators[row])
     wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
     if not any(wants_logprobs):
         return [SampledToken(t, None) for t in tokens]
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.float().log_softmax(dim=-1)
     result = []
     for row, (token, request) in enumerate(zip(tokens, requests)):
         if not wants_logprobs[row]:

@@ -4,7 +4,7 @@ Decode rows (one query token) dominate steady-state serving and are memory-bound
 kernel (cpu_decode.cpp, built once per machine with torch's JIT extension loader) reads K/V
 straight from the blocks with SIMD dot products and an online softmax, about 20x faster than
 gathering them into a padded batch for SDPA (measured at batch 64, context 256). Where the kernel
-cannot be built, for queries other than float32, or for head shapes it was not compiled for, decode
+cannot be built, for float16 queries, or for head shapes it was not compiled for, decode
 falls back to one gathered, masked SDPA call. The cache may be narrower than the model
 (`kv_cache_dtype`): the kernel widens float16/bfloat16 rows as it reads them. Prefill chunks are few per step and
 compute-heavy, so each gets its own causal SDPA call over its cached prefix.
@@ -21,6 +21,7 @@ from kvloom.kernels.reference import gather_kv, write_kv
 
 __all__ = ["write_kv", "paged_attention", "decode_extension"]
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the decode kernel reads
+QUERY_DTYPES = (torch.float32, torch.bfloat16)  # its math is float32 either way
 
 
 def decode_extension():
@@ -113,7 +114,7 @@ def paged_attention(
     out = torch.empty_like(query)
     if plan.decode_lens_host:
         q = query.index_select(0, plan.decode_rows)
-        ext = decode_extension() if query.dtype == torch.float32 and key_cache.dtype in CACHE_DTYPES else None
+        ext = decode_extension() if query.dtype in QUERY_DTYPES and key_cache.dtype in CACHE_DTYPES else None
         if ext is not None and not ext.paged_decode_supported(q.shape[-1], q.shape[1] // key_cache.shape[2]):
             ext = None
         if ext is not None:

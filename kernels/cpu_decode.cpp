@@ -306,21 +306,26 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
 
 bool paged_decode_supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, group) != nullptr; }
 
-at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32, contiguous
+at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32 or bfloat16, contiguous
                         const at::Tensor& key_cache,     // [NB, BS, KVH, D] float32, float16 or bfloat16
                         const at::Tensor& value_cache,   // [NB, BS, KVH, D] same dtype as key_cache
                         const at::Tensor& block_tables,  // [B, MAXB] int32
                         const at::Tensor& seq_lens,      // [B] int32, each >= 1
                         double scale) {
-  TORCH_CHECK(query.dtype() == at::kFloat, "the query must be float32");
+  TORCH_CHECK(query.dtype() == at::kFloat || query.dtype() == at::kBFloat16, "the query must be float32 or bfloat16");
   TORCH_CHECK(key_cache.dtype() == value_cache.dtype(), "key and value caches differ in dtype");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
+  // a bfloat16 model's queries are widened here and its outputs rounded back: a few KB per step,
+  // and the math stays float32 either way
+  const at::Tensor q = query.to(at::kFloat);
+  at::Tensor out;
   switch (key_cache.scalar_type()) {
-    case at::kFloat: return run<float>(query, key_cache, value_cache, block_tables, seq_lens, scale);
-    case at::kHalf: return run<at::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale);
-    case at::kBFloat16: return run<at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale);
+    case at::kFloat: out = run<float>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kHalf: out = run<at::Half>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kBFloat16: out = run<at::BFloat16>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
   }
+  return out.to(query.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {

@@ -8,15 +8,15 @@ pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of tim
 """
 
 import functools
-import hashlib
 import logging
 import os
-import platform
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from kvloom.kernels.host_isa import host_isa
 
 logger = logging.getLogger(__name__)
 # -fopenmp: ATen's parallel_for is an inline `omp parallel`; compiled without it, every kernel runs on one thread
@@ -24,17 +24,6 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=
 LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
 STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
-
-
-def _cpu_key() -> str:
-    """A short key for this CPU's instruction set: `-march=native` binaries built on an AVX-512 host
-    die with SIGILL on an AVX2 one, and a home directory (hence the build cache) may be shared."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        flags = next(line for line in text.splitlines() if line.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
-        flags = platform.processor()
-    return f"{platform.machine()}-{hashlib.sha1(flags.encode()).hexdigest()[:8]}"
 
 
 def _clear_stale_lock(build_dir: Path) -> None:
@@ -59,7 +48,7 @@ def build_extension(name: str):
     source = Path(__file__).with_name(SOURCES[name])
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own override
-    build_dir = root / f"{python}-torch{torch.__version__}-{_cpu_key()}" / name
+    build_dir = root / f"{python}-torch{torch.__version__}-{host_isa().build_key}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:

@@ -5,7 +5,7 @@
 // inner loops are plain float loops the compiler vectorizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
@@ -13,73 +13,117 @@
 
 constexpr int64_t GRAIN = 16;  // rows per task
 
+// float32 math on float32 or bfloat16 storage; bfloat16 is rounded to nearest even, as torch rounds
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>  // round to nearest even in plain integer ops the compiler vectorizes (c10's has a NaN branch)
+inline at::BFloat16 narrow<at::BFloat16>(float x) {
+  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
+  return at::BFloat16(static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16), at::BFloat16::from_bits());
+}
+
 // Rotary embedding in place on the query and key heads of a fused QKV projection [T, (H + 2 KVH) * D]
 // (the first H + KVH heads), with HF's rotate-half convention: x * cos + rotate_half(x) * sin,
-// cos/sin [T, D] as the model's rotary module returns them.
-void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_rotated_heads,
-                       int64_t head_dim) {
-  TORCH_CHECK(qkv.dtype() == at::kFloat && cos.dtype() == at::kFloat && sin.dtype() == at::kFloat);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous());
-  const int64_t T = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
-  float* base = qkv.data_ptr<float>();
+// cos/sin [T, D] float32 as the model's rotary module returns them; qkv float32 or bfloat16.
+template <typename T>
+void rotate(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_rotated_heads,
+            int64_t head_dim) {
+  const int64_t T_ = qkv.size(0), stride = qkv.stride(0), half = head_dim / 2;
+  T* base = qkv.data_ptr<T>();
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
-  at::parallel_for(0, T, GRAIN, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T_, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict c = cs + t * head_dim;
       const float* __restrict s = sn + t * head_dim;
       for (int64_t h = 0; h < num_rotated_heads; ++h) {
-        float* __restrict x = base + t * stride + h * head_dim;
+        T* __restrict x = base + t * stride + h * head_dim;
         for (int64_t i = 0; i < half; ++i) {
-          const float x1 = x[i], x2 = x[i + half];
-          x[i] = x1 * c[i] - x2 * s[i];
-          x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+          const float x1 = widen(x[i]), x2 = widen(x[i + half]);
+          x[i] = narrow<T>(x1 * c[i] - x2 * s[i]);
+          x[i + half] = narrow<T>(x2 * c[i + half] + x1 * s[i + half]);
         }
       }
     }
   });
 }
 
+void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_rotated_heads,
+                       int64_t head_dim) {
+  TORCH_CHECK(cos.dtype() == at::kFloat && sin.dtype() == at::kFloat, "cos/sin must be float32");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.is_contiguous() && sin.is_contiguous());
+  switch (qkv.scalar_type()) {
+    case at::kFloat: return rotate<float>(qkv, cos, sin, num_rotated_heads, head_dim);
+    case at::kBFloat16: return rotate<at::BFloat16>(qkv, cos, sin, num_rotated_heads, head_dim);
+    default: TORCH_CHECK(false, "rotary_embedding_: unsupported dtype ", qkv.scalar_type());
+  }
+}
+
 // The residual stream's step between sublayers: residual += delta (in place; no delta before the
-// first layer), then return RMSNorm(residual) * weight. One pass for the sum of squares, one to
-// scale, where torch adds and normalizes in about eight ops per call (~130 us each even for one row).
-at::Tensor add_rms_norm_(const at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
-                         double eps) {
-  TORCH_CHECK(residual.dtype() == at::kFloat && weight.dtype() == at::kFloat);
-  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && weight.is_contiguous());
-  const int64_t T = residual.size(0), H = residual.size(1);
-  TORCH_CHECK(weight.numel() == H, "weight has ", weight.numel(), " elements for rows of ", H);
-  if (delta.has_value())
-    TORCH_CHECK(delta->dtype() == at::kFloat && delta->is_contiguous() && delta->sizes() == residual.sizes());
-  auto out = at::empty_like(residual);
-  float* base = residual.data_ptr<float>();
-  const float* add = delta.has_value() ? delta->data_ptr<float>() : nullptr;
-  const float* __restrict w = weight.data_ptr<float>();
-  float* normed = out.data_ptr<float>();
-  const float feps = static_cast<float>(eps);
+// first layer), then return RMSNorm(residual) * weight in `out_dtype`. One pass for the sum of squares,
+// one to scale, where torch adds and normalizes in about eight ops per call (~130 us each even for one
+// row). The residual and the norm weight stay float32 under a bfloat16 model: only what feeds the next
+// GEMM (the output) and what comes out of one (delta) are bfloat16.
+template <typename D, typename O>
+void add_norm(float* base, const D* add, const float* __restrict w, O* normed, int64_t T, int64_t H, float eps) {
   at::parallel_for(0, T, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* __restrict x = base + t * H;
       float squares = 0.f;
       if (add != nullptr) {
-        const float* __restrict d = add + t * H;
+        const D* __restrict d = add + t * H;
         for (int64_t i = 0; i < H; ++i) {
-          x[i] += d[i];
+          x[i] += widen(d[i]);
           squares += x[i] * x[i];
         }
       } else {
         for (int64_t i = 0; i < H; ++i) squares += x[i] * x[i];
       }
-      const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + feps);
-      float* __restrict y = normed + t * H;
-      for (int64_t i = 0; i < H; ++i) y[i] = x[i] * inv * w[i];
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
+      O* __restrict y = normed + t * H;
+      for (int64_t i = 0; i < H; ++i) y[i] = narrow<O>(x[i] * inv * w[i]);
     }
   });
+}
+
+template <typename O>
+void add_norm_to(const at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                 at::Tensor& out, float eps) {
+  const int64_t T = residual.size(0), H = residual.size(1);
+  float* base = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  O* normed = out.data_ptr<O>();
+  if (!delta.has_value()) return add_norm<float, O>(base, nullptr, w, normed, T, H, eps);
+  if (delta->scalar_type() == at::kFloat) return add_norm<float, O>(base, delta->data_ptr<float>(), w, normed, T, H, eps);
+  add_norm<at::BFloat16, O>(base, delta->data_ptr<at::BFloat16>(), w, normed, T, H, eps);
+}
+
+at::Tensor add_rms_norm_(const at::Tensor& residual, const std::optional<at::Tensor>& delta, const at::Tensor& weight,
+                         double eps, at::ScalarType out_dtype) {
+  TORCH_CHECK(residual.dtype() == at::kFloat && weight.dtype() == at::kFloat, "residual and weight must be float32");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && weight.is_contiguous());
+  TORCH_CHECK(weight.numel() == residual.size(1), "weight has ", weight.numel(), " elements for rows of ",
+              residual.size(1));
+  if (delta.has_value())
+    TORCH_CHECK((delta->dtype() == at::kFloat || delta->dtype() == at::kBFloat16) && delta->is_contiguous() &&
+                delta->sizes() == residual.sizes(), "delta must be float32 or bfloat16 rows like the residual");
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16, "unsupported output dtype ", out_dtype);
+  auto out = at::empty(residual.sizes(), residual.options().dtype(out_dtype));
+  const float feps = static_cast<float>(eps);
+  if (out_dtype == at::kFloat)
+    add_norm_to<float>(residual, delta, weight, out, feps);
+  else
+    add_norm_to<at::BFloat16>(residual, delta, weight, out, feps);
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("add_rms_norm_(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps) -> Tensor", &add_rms_norm_);
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor",
+        &add_rms_norm_);
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_rotated_heads, int head_dim) -> ()",
         &rotary_embedding_);
 }

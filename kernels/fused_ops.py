@@ -1,4 +1,4 @@
-"""Fused elementwise ops of kvloom's decoder: C++ on CPU float32 where it pays (cpu_fused.cpp), torch elsewhere.
+"""Fused elementwise ops of kvloom's decoder: C++ on CPU (float32 or bfloat16, cpu_fused.cpp), torch elsewhere.
 
 The torch versions are the definitions (tests hold the C++ ops to them) and serve CUDA and other
 dtypes, where the surrounding GEMMs dominate anyway.
@@ -14,8 +14,12 @@ def fused_extension():
     return build_extension("kvloom_cpu_fused")
 
 
-def _native(x: torch.Tensor):
-    return fused_extension() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _native(*tensors: torch.Tensor):
+    on_cpu = all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
+    return fused_extension() if on_cpu else None
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -32,22 +36,31 @@ def rotary_embedding_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n
                       head_dim: int) -> None:
     """Rotate the first `num_rotated_heads` heads (query, then key) of fused QKV rows in place.
 
-    HF's rotate-half convention: x * cos + rotate_half(x) * sin, with cos/sin [T, head_dim].
+    HF's rotate-half convention: x * cos + rotate_half(x) * sin, with cos/sin [T, head_dim] float32
+    (a bfloat16 qkv is rotated in float32 and rounded once).
     """
     ext = _native(qkv)
     if ext is not None:
         ext.rotary_embedding_(qkv, cos, sin, num_rotated_heads, head_dim)
         return
     heads = qkv[:, : num_rotated_heads * head_dim].unflatten(-1, (num_rotated_heads, head_dim))
-    first, second = heads.chunk(2, dim=-1)
-    heads.copy_(heads * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None])
+    wide = heads.float()
+    first, second = wide.chunk(2, dim=-1)
+    heads.copy_(wide * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None])
 
 
-def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += delta in place (skipped when None), then RMSNorm(residual) * weight; [T, hidden] rows."""
-    ext = _native(residual)
-    if ext is not None:
-        return ext.add_rms_norm_(residual, delta, weight, eps)
+def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """residual += delta in place (skipped when None), then RMSNorm(residual) * weight; [T, hidden] rows.
+
+    Under a bfloat16 model the residual stream and the norm weights stay float32 (the sum of many
+    sublayer outputs is where rounding would accumulate); `delta` (a GEMM's output) may be bfloat16
+    and the result, the next GEMM's input, is `out_dtype` (default: the residual's).
+    """
+    out_dtype = out_dtype or residual.dtype
+    ext = _native(residual, weight, *([] if delta is None else [delta]))
+    if ext is not None and residual.dtype == weight.dtype == torch.float32 and out_dtype in NATIVE_DTYPES:
+        return ext.add_rms_norm_(residual, delta, weight, eps, out_dtype)
     if delta is not None:
         residual.add_(delta)
-    return F.rms_norm(residual, (residual.shape[-1],), weight, eps)
+    return F.rms_norm(residual, (residual.shape[-1],), weight.to(residual.dtype), eps).to(out_dtype)

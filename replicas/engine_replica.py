@@ -3,7 +3,9 @@
 It streams plain-dict chunks (they cross process boundaries), reports bad input as an error
 chunk instead of raising (so the router can answer 400 before any byte is sent), and pushes its
 stats to the router every `stats_period_s`, which is how the router learns which replicas exist,
-how loaded they are and which prefixes they hold.
+how loaded they are and which prefixes they hold. The router answers each push with the number of
+replicas on this replica's node, so that CPU replicas split the node's cores between them: a lone one
+uses them all (unless the config fixes `torch_threads`).
 """
 
 import asyncio
@@ -17,6 +19,7 @@ from ray import serve
 
 from kvloom.engine.async_engine import AsyncLLMEngine
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
@@ -46,12 +49,16 @@ class EngineReplica:
 
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
                        torch_threads: int | None = None) -> None:
-        if torch_threads:
-            torch.set_num_threads(torch_threads)
         self.config = engine_device(EngineConfig(**engine_config))
-        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config)
+        self.cpus = usable_cpus()
+        self.fixed_threads = torch_threads
+        self.threads = torch_threads or self.cpus  # a lone replica until the router counts others beside it
+        torch.set_num_threads(self.threads)  # for loading (weight packing runs on this process's threads)
+        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, None, self.threads)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
+        logger.info("kvloom replica %s: %d torch thread(s) of the %d CPU(s) it may use (%s)", self.replica_id,
+                    self.threads, self.cpus, "fixed by torch_threads" if torch_threads else "alone on its node so far")
         self.node_id = ray.get_runtime_context().get_node_id()
         self._stats_task = None
         if router_name:
@@ -61,10 +68,23 @@ class EngineReplica:
     async def _push_stats(self, router, period_s: float) -> None:
         while True:
             try:
-                await router.report_replica_stats.remote(self.stats())
+                replicas_on_node = await router.report_replica_stats.remote(self.stats())
             except Exception as exc:  # the router may be starting or restarting; keep trying
                 logger.debug("stats push failed: %r", exc)
+            else:
+                self.share_node(replicas_on_node)
             await asyncio.sleep(period_s)
+
+    def share_node(self, replicas_on_node: int) -> None:
+        """Take an even share of the node's cores (a CPU replica whose config does not fix its threads)."""
+        if self.fixed_threads or self.engine.engine.device.type != "cpu":
+            return
+        threads = share_of_node(self.cpus, replicas_on_node)
+        if threads != self.threads:
+            logger.info("kvloom replica %s: %d torch thread(s): %d replicas share the node's %d CPU(s)",
+                        self.replica_id, threads, replicas_on_node, self.cpus)
+            self.threads = threads
+            self.engine.set_num_threads(threads)
 
     def stats(self) -> dict:
         engine = self.engine.engine
@@ -74,6 +94,7 @@ class EngineReplica:
             "role": self.role,
             "node_id": self.node_id,
             "device": str(engine.device),
+            "torch_threads": self.threads,
             "max_num_seqs": self.config.max_num_seqs,
             "block_size": engine.block_size,
             "max_model_len": engine.max_model_len,

@@ -93,9 +93,12 @@ class Router:
         self.tenancy = settings
 
     # ---- called by replicas -----------------------------------------------------------------
-    async def report_replica_stats(self, stats: dict) -> None:
+    async def report_replica_stats(self, stats: dict) -> int:
+        """Take a replica's stats; answer how many live replicas (any role) share its node."""
         (self.decode_table if stats.get("role") == "decode" else self.table).report(stats)
         self.admission.pump()
+        return sum(r.stats.get("node_id") == stats.get("node_id") for t in (self.table, self.decode_table)
+                   for r in t.live())
 
     async def replica_stats(self) -> list[dict]:
         return [dict(r.stats, inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))

@@ -1,4 +1,5 @@
-"""AsyncLLMEngine streams tokens per request, and a cancelled stream frees everything it held."""
+"""AsyncLLMEngine streams tokens per request, hands a consumer that fell behind its backlog in one item, and a
+cancelled stream frees everything it held."""
 
 import asyncio
 
@@ -13,7 +14,7 @@ from kvloom.engine.sampling import SamplingParams
 
 @pytest.fixture(scope="module")
 def async_engine(tiny_model_dir):
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4))
     yield engine
     engine.shutdown()
 
@@ -27,7 +28,7 @@ async def test_concurrent_streams_match_offline_engine(async_engine, tiny_model_
     prompts = [[5, 6, 7], list(range(10, 60)), [300] * 20]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     streams = await asyncio.gather(*(collect(async_engine, p, params) for p in prompts))
-    offline = LLMEngine(model=str(tiny_model_dir), block_size=4)
+    offline = LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4)
     for prompt, outputs in zip(prompts, streams):
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
         streamed = [t for o in outputs for t in o.outputs[0].delta_token_ids]
@@ -36,6 +37,19 @@ async def test_concurrent_streams_match_offline_engine(async_engine, tiny_model_
         while offline.has_unfinished():
             done = [o for o in offline.step() if o.finished]
         assert done[0].outputs[0].token_ids == streamed
+
+
+async def test_a_consumer_that_falls_behind_gets_its_backlog_in_one_item(async_engine):
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = []
+    async for output in async_engine.generate([5, 6, 7], params):
+        outputs.append(output)
+        await asyncio.sleep(0.05)  # slower than the tiny model's steps
+    completion = outputs[-1].outputs[0]
+    assert [t for o in outputs for t in o.outputs[0].delta_token_ids] == completion.token_ids
+    assert "".join(o.outputs[0].delta_text for o in outputs) == completion.text
+    assert len(completion.token_ids) == 40 and len(outputs) < 20
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
 
 
 async def test_cancelled_stream_aborts_and_frees_blocks(async_engine):

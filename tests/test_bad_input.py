@@ -32,7 +32,7 @@ def block_bytes(tiny_model_dir) -> int:
 def make_engine(tiny_model_dir):
     def make(**overrides) -> LLMEngine:
         settings = dict(
-            model=str(tiny_model_dir), device="cpu", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+            model=str(tiny_model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
             kv_cache_memory_bytes=NUM_BLOCKS * block_bytes(tiny_model_dir), max_num_batched_tokens=32, max_num_seqs=8,
         )
         return LLMEngine(**{**settings, **overrides})
@@ -156,7 +156,7 @@ def test_unknown_config_key_is_named(tiny_model_dir):
         EngineConfig(model=str(tiny_model_dir), max_num_seq=8)  # misspelled on purpose
     assert_names_field(info.value, "max_num_seq")
     with pytest.raises(ValidationError) as info:
-        LLMEngine(model=str(tiny_model_dir), max_num_seq=8)
+        LLMEngine(dtype="float32", model=str(tiny_model_dir), max_num_seq=8)
     assert_names_field(info.value, "max_num_seq")
 
 

@@ -9,7 +9,9 @@ import pytest
 import ray
 from ray import serve
 
+from kvloom.cluster.cli import DEFAULT_CONFIG
 from kvloom.cluster.config import load_cluster_config
+from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +129,19 @@ def test_rescale_by_editing_num_replicas(two_replicas, deploy_app, tmp_path):
     while len(router.replica_stats.remote().result()) != 1 or running_replicas() != 1:
         assert time.monotonic() < deadline, "did not scale down"
         time.sleep(0.5)
+
+
+def test_the_shipped_default_gives_a_lone_replica_every_cpu_and_splits_them_between_two(ray_serve, deploy_app):
+    """configs/local-cpu.yaml as shipped (a smaller KV budget aside): its one replica runs on all the CPUs its
+    process may use, and two replicas on the node get half each; each says so in its stats."""
+    shipped = load_cluster_config(DEFAULT_CONFIG)
+    assert shipped.resources.torch_threads is None
+    engine = shipped.engine.model_copy(update={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024})
+    lone = shipped.model_copy(update={"engine": engine})
+    for config, threads in ((lone, usable_cpus()), (lone.model_copy(update={"num_replicas": 2}),
+                                                    share_of_node(usable_cpus(), 2))):
+        router = deploy_app(config)
+        deadline = time.monotonic() + 60
+        while [s["torch_threads"] for s in router.replica_stats.remote().result()] != [threads] * config.num_replicas:
+            assert time.monotonic() < deadline, router.replica_stats.remote().result()
+            time.sleep(0.5)

@@ -176,6 +176,23 @@ def test_narrow_cache_with_a_float32_model(heads, cache_dtype):
     assert_fast_path_matches_reference(case)
 
 
+BF16_TOLERANCE = {"atol": 1e-2, "rtol": 1e-2}  # one rounding of the output to bfloat16 (8 significant bits)
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES[:3])
+def test_bfloat16_model_matches_a_float32_reference(heads):
+    """A bfloat16 model: bfloat16 queries and K/V over a bfloat16 cache. The fast path widens them, computes
+    in float32 and rounds its output once, so it must agree with the float32 oracle run on the same rounded
+    inputs within one bfloat16 rounding."""
+    case = Case([0, 5, 33, 17, 60, 200], [7, 1, 1, 3, 1, 1], heads, 16, seed=9, cache_dtype=torch.bfloat16)
+    case.query, case.new_keys, case.new_values = (t.bfloat16() for t in (case.query, case.new_keys, case.new_values))
+    got, _, _ = case.run(cpu_attention)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got.float()).all()
+    case.query = case.query.float()
+    want, _, _ = case.run(reference)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
 def test_nan_in_unowned_slots_is_detected():
     """Guard for this file's method: reading an unowned slot really does surface as a failure."""
     case = Case([4], [1], HEAD_SHAPES[0], 4, seed=5)  # 5 tokens: the second block has 3 unowned slots

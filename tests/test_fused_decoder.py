@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kvloom.engine import decoder
+from kvloom.engine.attention import ForwardContext
 from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
@@ -25,18 +26,25 @@ from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops
+from kvloom.kernels.host_isa import host_isa
+from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.packed_linear import PackedLinear
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 
+# a bfloat16 result differs from its float32 definition by at most one rounding (2^-8 relative)
+TOLERANCE = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 16), (9, 3, 64), (8, 8, 128)])
-def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, head_dim):
+def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, head_dim, dtype):
     assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
     torch.manual_seed(0)
     tokens = 37
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     angles = torch.rand(tokens, head_dim // 2) * 100
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
     native = qkv.clone()
@@ -44,26 +52,30 @@ def test_cpp_rotary_equals_its_torch_definition(monkeypatch, heads, kv_heads, he
     monkeypatch.setattr(fused_ops, "fused_extension", lambda: None)
     defined = qkv.clone()
     fused_ops.rotary_embedding_(defined, cos, sin, heads + kv_heads, head_dim)
-    torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.float(), defined.float(), **TOLERANCE[dtype])
     assert torch.equal(native[:, (heads + kv_heads) * head_dim:], qkv[:, (heads + kv_heads) * head_dim:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 37])
 @pytest.mark.parametrize("with_delta", [False, True])
-def test_cpp_add_rms_norm_equals_its_torch_definition(monkeypatch, rows, with_delta):
+def test_cpp_add_rms_norm_equals_its_torch_definition(monkeypatch, rows, with_delta, dtype):
+    """Under a bfloat16 model the residual and the weight stay float32; delta comes from a bfloat16 GEMM and
+    the output feeds one."""
     assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
     torch.manual_seed(0)
     residual, weight = torch.randn(rows, 576) * 3, torch.rand(576) + 0.5
-    delta = torch.randn(rows, 576) if with_delta else None
+    delta = torch.randn(rows, 576).to(dtype) if with_delta else None
     native_residual = residual.clone()
-    native = fused_ops.add_rms_norm_(native_residual, delta, weight, 1e-5)
+    native = fused_ops.add_rms_norm_(native_residual, delta, weight, 1e-5, dtype)
     monkeypatch.setattr(fused_ops, "fused_extension", lambda: None)
     defined_residual = residual.clone()
-    defined = fused_ops.add_rms_norm_(defined_residual, delta, weight, 1e-5)
+    defined = fused_ops.add_rms_norm_(defined_residual, delta, weight, 1e-5, dtype)
+    assert native.dtype == defined.dtype == dtype and native_residual.dtype == torch.float32
     torch.testing.assert_close(native_residual, defined_residual, atol=0, rtol=0)
-    torch.testing.assert_close(native, defined, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(native.float(), defined.float(), **TOLERANCE[dtype])
     if with_delta:
-        torch.testing.assert_close(native_residual, residual + delta)
+        torch.testing.assert_close(native_residual, residual + delta.float())
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -78,24 +90,53 @@ def test_onednn_linear_equals_f_linear(rows, with_bias, make):
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_bfloat16_linear_matches_a_float32_reference(rows):
+    """Packed for AMX where the CPU multiplies bfloat16, dense elsewhere; either way within bfloat16's rounding
+    of the float32 product of the same (rounded) operands."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
+    linear = PackedLinear.pack(weight)
+    assert linear.packed == (torch.backends.mkldnn.is_available() and host_isa().fast_bfloat16)
+    out = linear(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=0.1, rtol=1e-2)
+
+
 def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_model, greedy_reference, drive):
-    """No second copy of the table: the head's weight is the very tensor the embedding lookup reads."""
+    """In float32, no second copy of the table: the head's weight is the very tensor the embedding lookup reads."""
     model_dir = build_tiny_model(tmp_path, tied=True)
-    engine = LLMEngine(model=str(model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(model_dir), block_size=4)
     fused = engine.decoder
     assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(model_dir, PROMPTS, 16)
 
 
+def test_a_bfloat16_model_keeps_its_residual_and_norms_in_float32(tmp_path, build_tiny_model, drive):
+    """bfloat16 GEMMs (a tied head packed for AMX where the CPU has bfloat16 units: 2x the dense one), float32
+    residual stream and norm weights."""
+    model_dir = build_tiny_model(tmp_path, tied=True)
+    engine = LLMEngine(dtype="bfloat16", model=str(model_dir), block_size=4)
+    fused = engine.decoder
+    assert fused.embed.dtype == torch.bfloat16 and fused.final_norm.dtype == torch.float32
+    assert all(layer.input_norm.dtype == layer.post_attention_norm.dtype == torch.float32 for layer in fused.layers)
+    assert fused.lm_head.packed == (torch.backends.mkldnn.is_available() and host_isa().fast_bfloat16)
+    meta = AttentionMetadata.build([3], [3], [[0]], 4, torch.device("cpu"))
+    hidden = fused(torch.tensor([5, 9, 13]), torch.arange(3), ForwardContext(meta, engine.runner.kv_caches,
+                                                                             engine.runner.backend))
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert hidden.dtype == torch.bfloat16 and fused.logits(hidden).dtype == torch.bfloat16
+
+
 def test_the_mlp_in_row_passes_matches_generate(tiny_model_dir, monkeypatch, greedy_reference, drive):
     monkeypatch.setattr(decoder, "MLP_ROWS", 8)  # every prefill spans several passes, the last one partial
-    outputs = drive(LLMEngine(model=str(tiny_model_dir), block_size=4), PROMPTS, GREEDY)
+    outputs = drive(LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4), PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
 
 def test_an_untied_lm_head_is_packed(tiny_model_dir):
-    fused = LLMEngine(model=str(tiny_model_dir), block_size=4).decoder
+    fused = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4).decoder
     assert fused.lm_head.packed == torch.backends.mkldnn.is_available()
 
 
@@ -119,7 +160,7 @@ def test_a_sharded_checkpoint_runs_fused_and_matches_generate(tmp_path, tiny_mod
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((tiny_model_dir / name).read_bytes())
     assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
-    engine = LLMEngine(model=str(sharded), block_size=4, model_impl="kvloom")
+    engine = LLMEngine(dtype="float32", model=str(sharded), block_size=4, model_impl="kvloom")
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
@@ -133,7 +174,7 @@ def test_a_checkpoint_missing_a_weight_names_it(tmp_path, tiny_model_dir):
     save_file(weights, damaged / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError,
                        match=re.escape(f"the checkpoint in {damaged} has no tensor model.layers.1.mlp.down_proj.weight")):
-        LLMEngine(model=str(damaged), block_size=4)
+        LLMEngine(dtype="float32", model=str(damaged), block_size=4)
 
 
 ROPE_VARIANTS = {
@@ -160,7 +201,7 @@ def test_rope_tables_equal_the_stock_models(tmp_path, tiny_model_dir, variant):
     config = with_rope(tmp_path, tiny_model_dir, ROPE_VARIANTS[variant])
     assert unsupported_rope(config) is None
     positions = torch.tensor([0, 1, 5, 255, 256, 1000])
-    cos, sin = RotaryEmbedding.of(config, torch.device("cpu")).cos_sin(positions, torch.float32)
+    cos, sin = RotaryEmbedding.of(config, torch.device("cpu")).cos_sin(positions)
     stock_cos, stock_sin = LlamaRotaryEmbedding(AutoConfig.from_pretrained(tmp_path))(cos, positions[None])
     torch.testing.assert_close((cos, sin), (stock_cos[0], stock_sin[0]), atol=0, rtol=0)
 
@@ -177,7 +218,7 @@ def family_dirs(tmp_path_factory, build_tiny_model):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_each_family_matches_generate_under_auto(family_dirs, model_type, greedy_reference, drive):
-    engine = LLMEngine(model=str(family_dirs[model_type]), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(family_dirs[model_type]), block_size=4)
     assert type(engine.decoder) is (FusedDecoder if model_type == "qwen2" else StockDecoder)
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(family_dirs[model_type], PROMPTS, 16)
@@ -185,4 +226,4 @@ def test_each_family_matches_generate_under_auto(family_dirs, model_type, greedy
 
 def test_fused_decoder_refuses_an_architecture_it_does_not_cover(family_dirs):
     with pytest.raises(ConfigError, match="model_impl.*does not cover this model \\(qwen3 layers\\)"):
-        LLMEngine(model=str(family_dirs["qwen3"]), model_impl="kvloom")
+        LLMEngine(dtype="float32", model=str(family_dirs["qwen3"]), model_impl="kvloom")

@@ -24,7 +24,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def float32_outputs(tiny_model_dir, prompts, drive):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=BUDGET)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=BUDGET)
     return engine.num_blocks, [o.outputs[0].token_ids for o in drive(engine, prompts, GREEDY)]
 
 
@@ -32,7 +32,7 @@ def float32_outputs(tiny_model_dir, prompts, drive):
 def test_narrow_cache_holds_twice_the_tokens_and_stays_close(tiny_model_dir, prompts, drive, float32_outputs,
                                                               kv_cache_dtype):
     full_blocks, want = float32_outputs
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=BUDGET,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=BUDGET,
                        kv_cache_dtype=kv_cache_dtype)
     assert engine.num_blocks == 2 * full_blocks
     assert str(engine.runner.kv_caches[0][0].dtype) == f"torch.{kv_cache_dtype}"

@@ -1,7 +1,8 @@
-"""Acceptance: on the real SmolLM2-135M, greedy outputs equal transformers `generate` token for token.
+"""Acceptance: on the real SmolLM2-135M, greedy float32 outputs equal transformers `generate` token for token.
 
 16 varied prompts (chat-templated and raw, 5 to ~600 tokens, 64 new tokens) run as one concurrent
-batch, and again under chunked prefill, preemption, prefix-cache hits and late arrivals.
+batch, and again under chunked prefill, preemption, prefix-cache hits and late arrivals. bfloat16 (dtype
+`auto` on CPUs with bfloat16 units) is held to the float32 outputs' first tokens.
 """
 
 import pytest
@@ -43,7 +44,7 @@ RAW = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 
 
 @pytest.fixture(scope="module")
 def engine_prompts(smollm2_dir) -> list[list[int]]:
-    engine = LLMEngine(model=str(smollm2_dir), kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    engine = LLMEngine(dtype="float32", model=str(smollm2_dir), kv_cache_memory_bytes=64 << 20, max_model_len=1024)
     chats = [engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
              for q in QUESTIONS]
     return chats + [engine.encode(text) for text in RAW]
@@ -55,7 +56,7 @@ def expected(smollm2_dir, engine_prompts, greedy_reference):
 
 
 def make_engine(smollm2_dir, **knobs) -> LLMEngine:
-    return LLMEngine(model=str(smollm2_dir), max_model_len=1024, **knobs)
+    return LLMEngine(**{"dtype": "float32", "model": str(smollm2_dir), "max_model_len": 1024, **knobs})
 
 
 def tokens(outputs):
@@ -81,7 +82,7 @@ def test_chunked_prefill_budget_32(smollm2_dir, engine_prompts, expected, drive)
 def test_small_pool_preempts(smollm2_dir, engine_prompts, expected, drive):
     per_block = ModelConfig.from_dir(smollm2_dir).kv_bytes_per_token(torch.float32) * 16
     # 44 blocks: room for one request of max_model_len (704) tokens, far less than the batch needs
-    engine = LLMEngine(model=str(smollm2_dir), max_model_len=704, kv_cache_memory_bytes=44 * per_block)
+    engine = LLMEngine(dtype="float32", model=str(smollm2_dir), max_model_len=704, kv_cache_memory_bytes=44 * per_block)
     assert tokens(drive(engine, engine_prompts, GREEDY)) == expected
     assert engine.stats().num_preemptions > 0
 
@@ -97,3 +98,16 @@ def test_requests_added_mid_decode(smollm2_dir, engine_prompts, expected, drive)
     engine = make_engine(smollm2_dir)
     arrivals = {0: list(range(0, 16, 2)), 10: list(range(1, 16, 2))}
     assert tokens(drive(engine, engine_prompts, GREEDY, arrivals)) == expected
+
+
+BF16_PREFIX = 8  # tokens that most bfloat16 outputs must share with float32's
+
+
+def test_bfloat16_agrees_with_float32_on_the_first_tokens(smollm2_dir, engine_prompts, expected, drive):
+    """bfloat16 keeps 8 significant bits of weights and activations, so a near-tie can flip a greedy pick,
+    and the rest of that output then follows another path, as vLLM's bfloat16 does against its own float32
+    (37 of W1's 64 outputs identical). Measured on these 16 prompts (Xeon, AMX): 15 share their first 9
+    tokens with float32, 14 their first 14, 4 all 64; one flips its first token. Held: 12 share 8."""
+    got = tokens(drive(make_engine(smollm2_dir, dtype="bfloat16"), engine_prompts, GREEDY))
+    agreeing = [g[:BF16_PREFIX] == e[:BF16_PREFIX] for g, e in zip(got, expected)]
+    assert sum(agreeing) >= 12, agreeing

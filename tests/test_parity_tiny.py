@@ -42,19 +42,19 @@ def tokens(outputs):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_one_concurrent_batch_matches_generate(tiny_model_dir, prompts, expected, drive, backend, model_impl):
     """Both forwards: kvloom's fused decoder and the stock model with paged attention plugged in."""
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, attention_backend=backend, model_impl=model_impl)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, attention_backend=backend, model_impl=model_impl)
     assert isinstance(engine.decoder, FusedDecoder) == (model_impl == "kvloom")
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 
 def test_chunked_prefill_matches_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4, max_num_batched_tokens=32, max_num_seqs=16)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, max_num_batched_tokens=32, max_num_seqs=16)
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 
 def test_preemption_by_recompute_matches_generate(tiny_model_dir, prompts, expected, drive):
     # 16 blocks of 16 tokens: room for one max-length request, far less than the batch needs
-    engine = LLMEngine(
+    engine = LLMEngine(dtype="float32",
         model=str(tiny_model_dir), block_size=16, max_model_len=256,
         kv_cache_memory_bytes=16 * 16 * engine_kv_bytes_per_token(tiny_model_dir),
     )
@@ -65,14 +65,14 @@ def test_preemption_by_recompute_matches_generate(tiny_model_dir, prompts, expec
 
 
 def test_prefix_cache_hits_match_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
     late = {0: [1], 3: [i for i in range(len(prompts)) if i != 1]}
     assert tokens(drive(engine, prompts, GREEDY, late)) == expected
     assert engine.stats().prefix_cache_hits > 0
 
 
 def test_requests_added_mid_decode_match_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(model=str(tiny_model_dir), block_size=8)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=8)
     half = len(prompts) // 2
     arrivals = {0: list(range(half)), 5: list(range(half, len(prompts) - 2)), 11: [len(prompts) - 2, len(prompts) - 1]}
     assert tokens(drive(engine, prompts, GREEDY, arrivals)) == expected

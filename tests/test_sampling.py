@@ -33,7 +33,7 @@ GREEDY = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
 
 def tiny_engine(model_dir, **overrides) -> LLMEngine:
     block_bytes = ModelConfig.from_dir(model_dir).kv_bytes_per_token(torch.float32) * 4
-    settings = dict(model=str(model_dir), device="cpu", block_size=4, max_model_len=256,
+    settings = dict(model=str(model_dir), dtype="float32", device="cpu", block_size=4, max_model_len=256,
                     kv_cache_memory_bytes=256 * block_bytes, max_num_seqs=8)
     return LLMEngine(**{**settings, **overrides})
 
@@ -264,7 +264,7 @@ SMOL_GREEDY = SamplingParams(max_tokens=SMOL_NEW, temperature=0)
 
 @pytest.fixture(scope="module")
 def smol(smollm2_dir) -> LLMEngine:
-    return LLMEngine(model=str(smollm2_dir), device="cpu", max_model_len=128, kv_cache_memory_bytes=24 << 20)
+    return LLMEngine(dtype="float32", model=str(smollm2_dir), device="cpu", max_model_len=128, kv_cache_memory_bytes=24 << 20)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,280 @@
+"""Whole serving systems as peers, each run as its own process tree on the same workload and prompt ids:
+vLLM's CPU build (its offline `LLM`, and `vllm serve` over HTTP), llama.cpp's `llama-server` over HTTP,
+and kvloom's own `kvloom serve` over HTTP (the path a user takes, measured the same way as the others).
+
+vLLM pins its own torch and transformers, so it lives in a virtual environment of its own and is driven
+as a subprocess (`peer_drivers/vllm_offline.py` for the offline engine); llama.cpp is built from the
+source the `llama-cpp-python` sdist carries. Both are set up on demand by the scripts in `peer_setup/`;
+a peer that is not set up is reported as such, with the one command that sets it up, and the run goes
+on. Every system's peak RSS is its whole process tree's (engine cores, Ray's daemons, workers).
+"""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+import yaml
+
+from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, request_rows
+from kvloom.benchmarks.http_replay import replay_http
+from kvloom.benchmarks.local_serve import free_port
+from kvloom.benchmarks.metrics import RequestRecord, summarize
+from kvloom.benchmarks.process_tree import PeakTreeRSS, tree_rss_mb, wait_for
+from kvloom.benchmarks.workloads import Workload
+from kvloom.engine.model_loader import resolve_model_dir
+from kvloom.kernels.host_isa import host_isa
+
+HERE = Path(__file__).parent
+KINDS = ("vllm", "vllm-serve", "llama.cpp", "kvloom-serve")
+SERVED_NAME = "bench"
+SERVER_START_S = 600.0  # vLLM's first start compiles its kernels for this CPU
+
+
+def peers_root() -> Path:
+    return Path(os.environ.get("KVLOOM_PEERS_DIR", Path.home() / ".cache" / "kvloom" / "peers"))
+
+
+@dataclass(frozen=True)
+class PeerInstall:
+    """Where a peer's set-up script leaves it, and the one command that makes it."""
+
+    executable: Path
+    setup_command: str
+
+    @property
+    def ready(self) -> bool:
+        return self.executable.is_file()
+
+
+def vllm_install() -> PeerInstall:
+    return PeerInstall(peers_root() / "vllm" / "bin" / "python", "bash benchmarks/peer_setup/vllm.sh")
+
+
+def llama_cpp_install() -> PeerInstall:
+    """llama-server, built with -march=native: the build is keyed by this CPU's instruction set."""
+    return PeerInstall(peers_root() / f"llama.cpp-{host_isa().build_key}" / "bin" / "llama-server",
+                       "bash benchmarks/peer_setup/llama_cpp.sh")
+
+
+def llama_gguf(dtype: str) -> Path:
+    """The embedded model converted by llama.cpp's own converter (F16 or BF16)."""
+    return peers_root() / "gguf" / f"smollm2-{dtype}.gguf"
+
+
+# ---- command lines (pure: unit-tested without the peers installed) -------------------------------------
+def vllm_env(settings: BenchSettings) -> dict[str, str]:
+    """vLLM's CPU backend takes its KV budget in GiB from the environment; the same budget as kvloom's."""
+    return {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_memory_bytes / 2**30:g}"}
+
+
+def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Path, settings: BenchSettings,
+                         dtype: str, max_model_len: int) -> list[str]:
+    command = [str(python), str(HERE / "peer_drivers" / "vllm_offline.py"), str(workload), str(model_dir), str(out),
+               "--dtype", dtype, "--max-num-seqs", str(settings.max_num_seqs),
+               "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--max-model-len", str(max_model_len)]
+    return command + ([] if settings.enable_prefix_caching else ["--no-prefix-caching"])
+
+
+def vllm_server_command(python: Path, model_dir: Path, port: int, settings: BenchSettings, dtype: str,
+                        max_model_len: int) -> list[str]:
+    """`vllm serve` as its module: the installed `vllm` script fails on the `vllm-cpu` package name."""
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
+               "--max-num-seqs", str(settings.max_num_seqs),
+               "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
+               "--max-model-len", str(max_model_len), "--seed", "0"]
+    return command + ([] if settings.enable_prefix_caching else ["--no-enable-prefix-caching"])
+
+
+def llama_server_command(binary: Path, gguf: Path, port: int, settings: BenchSettings, max_model_len: int) -> list[str]:
+    """Continuous batching over `max_num_seqs` slots; llama-server splits its context evenly among them."""
+    return [str(binary), "-m", str(gguf), "--alias", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+            "--parallel", str(settings.max_num_seqs), "--ctx-size", str(settings.max_num_seqs * max_model_len),
+            "--cont-batching", "--batch-size", str(settings.max_num_batched_tokens),
+            "--threads", str(settings.threads), "--threads-batch", str(settings.threads)]
+
+
+def kvloom_serve_config(settings: BenchSettings, port: int, dtype: str) -> dict:
+    """`kvloom serve`'s YAML for the benchmark: the shipped default with the shared settings."""
+    shipped = yaml.safe_load((HERE.parent / "configs" / "local-cpu.yaml").read_text())
+    shipped["served_model_name"] = SERVED_NAME
+    shipped["engine"].update(model=settings.model, dtype=dtype, max_num_seqs=settings.max_num_seqs,
+                             max_num_batched_tokens=settings.max_num_batched_tokens,
+                             kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                             enable_prefix_caching=settings.enable_prefix_caching)
+    shipped["http"]["port"] = port
+    return shipped
+
+
+def kvloom_serve_command(config: Path) -> list[str]:
+    return [sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config)]
+
+
+def parse_vllm_offline(doc: dict, workload: Workload) -> tuple[list[RequestRecord], float]:
+    """The offline driver's document as records: all requests arrive at 0 and finish by the wall time
+    (the offline `generate` reports no per-token times)."""
+    wall = float(doc["wall_s"])
+    outputs = doc["outputs"]
+    missing = [r.request_id for r in workload.requests if r.request_id not in outputs]
+    if missing:
+        raise ValueError(f"vLLM's output lacks {len(missing)} request(s), first {missing[0]}")
+    return [RequestRecord(r.request_id, len(r.prompt), list(outputs[r.request_id]), 0.0, wall, wall)
+            for r in workload.requests], wall
+
+
+def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
+    """The specs for the named external peers, at the dtypes the goals compare: vLLM offline in bfloat16
+    (its CPU default) and float32, with kvloom's continuous engine in float32 beside them (the default
+    strategy runs dtype auto); `vllm serve` at its default, bfloat16; llama.cpp at its fastest GGUF type
+    here (BF16 where the CPU multiplies it, else F16); `kvloom serve` at its default, dtype auto."""
+    fast_bf16 = (isa or host_isa()).fast_bfloat16
+    table = {
+        "vllm": [SystemSpec("vllm-bf16", "vllm", engine={"dtype": "bfloat16"}),
+                 SystemSpec("vllm-fp32", "vllm", engine={"dtype": "float32"}),
+                 SystemSpec("continuous-fp32", "kvloom", strategy="continuous", engine={"dtype": "float32"})],
+        "vllm-serve": [SystemSpec("vllm-serve-bf16", "vllm-serve", engine={"dtype": "bfloat16"})],
+        "llama.cpp": [SystemSpec(f"llama.cpp-{'bf16' if fast_bf16 else 'f16'}", "llama.cpp",
+                                 engine={"dtype": "bf16" if fast_bf16 else "f16"})],
+        "kvloom-serve": [SystemSpec("kvloom-serve", "kvloom-serve")],
+    }
+    return [spec for kind in kinds for spec in table[kind]]
+
+
+# ---- running ---------------------------------------------------------------------------------------------
+def _max_model_len(workload: Workload) -> int:
+    return max(len(r.prompt) + r.max_tokens for r in workload.requests)
+
+
+def _stop_tree(process: subprocess.Popen) -> None:
+    """SIGINT the server (its Ctrl-C), then terminate and kill whatever of its tree is left."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in alive:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+    process.wait()
+
+
+def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
+            elapsed: float, with_outputs: bool) -> SystemResult:
+    metrics = summarize(spec.name, records, wall)
+    metrics.peak_rss_mb = peak_mb
+    metrics.notes.append("peak RSS: the whole process tree's")
+    outputs = {r.request_id: r.output_token_ids for r in records} if with_outputs else {}
+    return SystemResult(spec, "ok", metrics, request_rows(records), outputs, elapsed, loaded_mb)
+
+
+def _not_set_up(spec: SystemSpec, install: PeerInstall) -> SystemResult:
+    return SystemResult(spec, f"not set up: run `{install.setup_command}`", None, [], {}, 0.0)
+
+
+def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
+                     limit_s: float) -> SystemResult:
+    install = vllm_install()
+    if not install.ready:
+        return _not_set_up(spec, install)
+    workload_path = workload.save(out_dir / "workload.jsonl")  # token ids, the stated subset if any
+    out = out_dir / "vllm-output.json"
+    out.unlink(missing_ok=True)
+    command = vllm_offline_command(install.executable, workload_path, resolve_model_dir(settings.model), out,
+                                   settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload))
+    start = time.monotonic()
+    with (out_dir / "log.txt").open("w") as log:
+        process = subprocess.Popen(command, env={**os.environ, **vllm_env(settings)}, stdout=log, stderr=log,
+                                   start_new_session=True)
+        with PeakTreeRSS(process.pid) as rss:
+            try:
+                process.wait(limit_s)
+            except subprocess.TimeoutExpired:
+                _stop_tree(process)
+                return SystemResult(spec, "timeout", None, [], {}, time.monotonic() - start)
+    if process.returncode != 0 or not out.exists():
+        return SystemResult(spec, f"error: exit code {process.returncode} (see {out_dir / 'log.txt'})", None, [], {},
+                            time.monotonic() - start)
+    records, wall = parse_vllm_offline(json.loads(out.read_text()), workload)
+    return _result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
+
+
+def _server(spec: SystemSpec, settings: BenchSettings, workload: Workload, port: int, scratch: Path):
+    """(command, environment, install) for an HTTP peer, or None for the install when nothing is needed."""
+    dtype = spec.engine.get("dtype")
+    max_len = _max_model_len(workload)
+    if spec.kind == "vllm-serve":
+        install = vllm_install()
+        return (vllm_server_command(install.executable, resolve_model_dir(settings.model), port, settings,
+                                    dtype or "bfloat16", max_len), vllm_env(settings), install)
+    if spec.kind == "llama.cpp":
+        install = llama_cpp_install()
+        gguf = llama_gguf(dtype or "f16")
+        if not gguf.is_file():
+            install = PeerInstall(gguf, install.setup_command)
+        return llama_server_command(install.executable, gguf, port, settings, max_len), {}, install
+    config = scratch / "kvloom-serve.yaml"
+    config.write_text(yaml.safe_dump(kvloom_serve_config(settings, port, dtype or "auto")))
+    return kvloom_serve_command(config), {}, None
+
+
+def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
+                  limit_s: float) -> SystemResult:
+    """Start the server, wait for /health, replay the workload over streaming HTTP, stop the server."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    with tempfile.TemporaryDirectory() as scratch:
+        command, env, install = _server(spec, settings, workload, port, Path(scratch))
+        if install is not None and not install.ready:
+            return _not_set_up(spec, install)
+        base = f"http://127.0.0.1:{port}"
+        start = time.monotonic()
+        with (out_dir / "log.txt").open("w") as log:
+            process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log,
+                                       start_new_session=True)
+            try:
+                with PeakTreeRSS(process.pid) as rss:
+                    if not wait_for(lambda: _healthy(base) or process.poll() is not None, SERVER_START_S) \
+                            or process.poll() is not None:
+                        return SystemResult(spec, f"error: the server did not start (see {out_dir / 'log.txt'})",
+                                            None, [], {}, time.monotonic() - start)
+                    loaded_mb = tree_rss_mb(process.pid)
+                    left = max(limit_s - (time.monotonic() - start), 60.0)
+                    records, wall = asyncio.run(replay_http(base, workload, SERVED_NAME, timeout_s=left))
+            finally:
+                _stop_tree(process)
+    return _result(spec, records, wall, rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
+
+
+def _healthy(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def run_external(spec: SystemSpec, workload_path: Path, settings: BenchSettings, out_dir: Path,
+                 limit_s: float) -> SystemResult:
+    workload = Workload.load(workload_path).with_token_ids(settings.model)
+    if spec.num_requests is not None:
+        workload = workload.head(spec.num_requests)
+    if spec.kind == "vllm":
+        return run_vllm_offline(spec, workload, settings, out_dir, limit_s)
+    return run_http_peer(spec, workload, settings, out_dir, limit_s)

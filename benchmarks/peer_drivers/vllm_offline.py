@@ -1,0 +1,48 @@
+"""vLLM's offline `LLM` on a kvloom workload, run inside vLLM's own virtual environment.
+
+Standalone on purpose (it imports vLLM, never kvloom: the two pin different torch and transformers).
+Reads the workload's JSONL (token-id prompts), generates greedily with EOS ignored, and writes one JSON
+document: wall time of `generate`, and every request's generated token ids.
+    python vllm_offline.py WORKLOAD.jsonl MODEL_DIR OUT.json --dtype bfloat16 --max-num-seqs 64 ...
+"""
+
+import argparse
+import json
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("workload")
+    parser.add_argument("model")
+    parser.add_argument("out")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    args = parser.parse_args()
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(args.workload) as f:
+        requests = [json.loads(line) for line in f if line.strip()]
+    load_start = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+              enable_prefix_caching=not args.no_prefix_caching, seed=0)
+    load_s = time.perf_counter() - load_start
+    prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    result = {"load_s": load_s, "wall_s": wall,
+              "outputs": {r["request_id"]: list(o.outputs[0].token_ids) for r, o in zip(requests, outputs)}}
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM's CPU engine starts worker processes that re-import this file
+    main()

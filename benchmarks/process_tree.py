@@ -1,0 +1,59 @@
+"""Peak resident memory of a whole process tree: a server is many processes (vLLM's engine core, Ray's
+raylet, GCS and workers), and what an operator pays for is their sum, not the largest one's."""
+
+import threading
+import time
+
+import psutil
+
+SAMPLE_S = 0.25
+
+
+def tree_rss_mb(pid: int) -> float:
+    """The summed RSS of `pid` and every descendant alive now (0 once it is gone)."""
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0
+    for process in processes:
+        try:
+            total += process.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+class PeakTreeRSS:
+    """Samples a tree's summed RSS in a background thread until stopped; `peak_mb` is the largest sum."""
+
+    def __init__(self, pid: int, period_s: float = SAMPLE_S) -> None:
+        self.pid = pid
+        self.period_s = period_s
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"rss-{pid}")
+
+    def __enter__(self) -> "PeakTreeRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak_mb = max(self.peak_mb, tree_rss_mb(self.pid))
+            self._stop.wait(self.period_s)
+
+
+def wait_for(predicate, timeout_s: float, period_s: float = 0.5) -> bool:
+    """Poll `predicate` until it holds or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(period_s)
+    return False

@@ -1,0 +1,99 @@
+"""The external peers' command lines and result parsing, checked without vLLM or llama.cpp installed (the
+peers themselves run in the benchmark report, never here)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvloom.benchmarks import external_peers as peers
+from kvloom.benchmarks.bench import make_systems
+from kvloom.benchmarks.harness import BenchSettings, SystemSpec
+from kvloom.benchmarks.workloads import Workload, WorkloadRequest
+from kvloom.cluster.config import ClusterConfig
+from kvloom.kernels.host_isa import HostISA
+
+SETTINGS = BenchSettings(threads=2, max_num_seqs=64, max_num_batched_tokens=2048, kv_cache_memory_bytes=2 << 30)
+WORKLOAD = Workload("w1", [WorkloadRequest("w1-0", [5, 6, 7], 4), WorkloadRequest("w1-1", [8, 9], 2)])
+
+
+def flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_vllm_offline_runs_the_driver_in_vllms_own_python_with_the_shared_settings():
+    command = peers.vllm_offline_command(Path("/venv/bin/python"), Path("w.jsonl"), Path("/m"), Path("o.json"),
+                                         SETTINGS, "bfloat16", 768)
+    assert command[0] == "/venv/bin/python" and command[1].endswith("peer_drivers/vllm_offline.py")
+    assert command[2:5] == ["w.jsonl", "/m", "o.json"]
+    assert (flag(command, "--dtype"), flag(command, "--max-num-seqs"), flag(command, "--max-num-batched-tokens"),
+            flag(command, "--max-model-len")) == ("bfloat16", "64", "2048", "768")
+    assert "--no-prefix-caching" not in command
+    no_cache = BenchSettings(enable_prefix_caching=False)
+    assert "--no-prefix-caching" in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), no_cache,
+                                                               "float32", 8)
+
+
+def test_vllm_serve_is_started_as_its_module_on_loopback():
+    command = peers.vllm_server_command(Path("/venv/bin/python"), Path("/m"), 8123, SETTINGS, "bfloat16", 768)
+    assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert (flag(command, "--host"), flag(command, "--port"), flag(command, "--model")) == ("127.0.0.1", "8123", "/m")
+    assert flag(command, "--served-model-name") == peers.SERVED_NAME and flag(command, "--max-num-seqs") == "64"
+
+
+def test_vllm_gets_the_same_kv_budget_in_gib():
+    assert peers.vllm_env(SETTINGS) == {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    assert peers.vllm_env(BenchSettings(kv_cache_memory_bytes=3 << 29)) == {"VLLM_CPU_KVCACHE_SPACE": "1.5"}
+
+
+def test_llama_server_gets_one_slot_per_sequence_and_the_context_they_need():
+    command = peers.llama_server_command(Path("/bin/llama-server"), Path("/g/m.gguf"), 9000, SETTINGS, 768)
+    assert command[0] == "/bin/llama-server" and flag(command, "-m") == "/g/m.gguf"
+    assert (flag(command, "--parallel"), flag(command, "--ctx-size")) == ("64", str(64 * 768))
+    assert (flag(command, "--host"), flag(command, "--port"), flag(command, "--threads")) == ("127.0.0.1", "9000", "2")
+    assert "--cont-batching" in command
+
+
+def test_kvloom_serve_runs_the_shipped_config_with_the_shared_settings():
+    doc = peers.kvloom_serve_config(SETTINGS, 8555, "auto")
+    config = ClusterConfig.model_validate(doc)  # what `kvloom serve --config` will accept
+    assert config.http.port == 8555 and config.model_name == peers.SERVED_NAME
+    assert (config.engine.dtype, config.engine.max_num_seqs, config.engine.kv_cache_memory_bytes) == ("auto", 64, 2 << 30)
+    shipped = yaml.safe_load((Path(peers.__file__).parent.parent / "configs" / "local-cpu.yaml").read_text())
+    assert config.resources.model_dump(exclude_unset=True) == shipped["resources"]
+    assert peers.kvloom_serve_command(Path("c.yaml"))[1:] == ["-m", "kvloom.cluster.cli", "serve", "--config", "c.yaml"]
+
+
+def test_the_offline_driver_output_becomes_one_record_per_request():
+    doc = {"wall_s": 2.5, "load_s": 9.0, "outputs": {"w1-1": [1, 2], "w1-0": [3, 4, 5, 6]}}
+    records, wall = peers.parse_vllm_offline(json.loads(json.dumps(doc)), WORKLOAD)
+    assert wall == 2.5 and [r.request_id for r in records] == ["w1-0", "w1-1"]
+    assert records[0].output_token_ids == [3, 4, 5, 6] and records[0].num_prompt_tokens == 3
+    assert records[1].finished == 2.5
+
+
+def test_a_request_missing_from_the_driver_output_is_an_error():
+    with pytest.raises(ValueError, match="w1-1"):
+        peers.parse_vllm_offline({"wall_s": 1.0, "outputs": {"w1-0": [1]}}, WORKLOAD)
+
+
+def test_a_peer_not_set_up_is_reported_with_its_setup_command(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVLOOM_PEERS_DIR", str(tmp_path))
+    path = WORKLOAD.save(tmp_path / "w1.jsonl")
+    for spec in (SystemSpec("vllm-bf16", "vllm", engine={"dtype": "bfloat16"}),
+                 SystemSpec("vllm-serve-bf16", "vllm-serve"), SystemSpec("llama.cpp-f16", "llama.cpp")):
+        result = peers.run_external(spec, path, SETTINGS, tmp_path / spec.name, 60)
+        assert result.metrics is None and result.status.startswith("not set up: run `bash benchmarks/peer_setup/")
+
+
+def test_peer_selection_follows_the_cpu():
+    amx = HostISA("x", frozenset({"avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}))
+    zen3 = HostISA("y", frozenset({"avx2"}))
+    assert [s.name for s in peers.external_systems(["vllm", "llama.cpp"], amx)] == [
+        "vllm-bf16", "vllm-fp32", "continuous-fp32", "llama.cpp-bf16"]
+    assert [s.name for s in peers.external_systems(["llama.cpp"], zen3)] == ["llama.cpp-f16"]
+    names = [s.name for s in make_systems(["continuous"], ["vllm-serve", "kvloom-serve"])]
+    assert names == ["continuous", "vllm-serve-bf16", "kvloom-serve"]
+    with pytest.raises(ValueError, match="unknown"):
+        make_systems(["continuous"], ["tgi"])
