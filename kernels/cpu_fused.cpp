@@ -9,6 +9,7 @@
 #include <torch/library.h>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
 #include <optional>
 
 constexpr int64_t GRAIN = 16;  // rows per task
@@ -121,7 +122,59 @@ at::Tensor add_rms_norm_(const at::Tensor& residual, const std::optional<at::Ten
   return out;
 }
 
+// exp(x) for x <= 0: Cephes-style range reduction and a degree-6 polynomial (~1 ulp), as plain float
+// math the compiler vectorizes (std::exp does not)
+inline float exp_nonpositive(float x) {
+  const float v = std::max(x, -87.0f);
+  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+  const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
+}
+
+// SiLU(gate) * up over the gate | up halves of each row of [T, 2I], into [T, I]: one pass, where torch
+// runs SiLU and the multiply as two (and its bfloat16 SiLU widens, computes and narrows element by
+// element: 3 ns an element here, most of a prefill step's elementwise time).
+template <typename T>
+void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* __restrict g = gate_up + t * 2 * inter;
+      const T* __restrict u = g + inter;
+      T* __restrict y = out + t * inter;
+      for (int64_t i = 0; i < inter; ++i) {
+        const float x = widen(g[i]);
+        const float e = exp_nonpositive(-std::fabs(x));  // exp(-|x|): no overflow either side
+        const float sigmoid = x >= 0.f ? 1.f / (1.f + e) : e / (1.f + e);
+        y[i] = narrow<T>(x * sigmoid * widen(u[i]));
+      }
+    }
+  });
+}
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul takes contiguous [T, 2I] rows");
+  const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = at::empty({rows, inter}, gate_up.options());
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, inter); break;
+    case at::kBFloat16:
+      silu_mul<at::BFloat16>(gate_up.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), rows, inter);
+      break;
+    default: TORCH_CHECK(false, "silu_and_mul: unsupported dtype ", gate_up.scalar_type());
+  }
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor",
         &add_rms_norm_);
   m.def("rotary_embedding_(Tensor(a!) qkv, Tensor cos, Tensor sin, int num_rotated_heads, int head_dim) -> ()",

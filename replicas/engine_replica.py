@@ -53,8 +53,7 @@ class EngineReplica:
         self.cpus = usable_cpus()
         self.fixed_threads = torch_threads
         self.threads = torch_threads or self.cpus  # a lone replica until the router counts others beside it
-        torch.set_num_threads(self.threads)  # for loading (weight packing runs on this process's threads)
-        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, None, self.threads)
+        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, self.threads)
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         logger.info("kvloom replica %s: %d torch thread(s) of the %d CPU(s) it may use (%s)", self.replica_id,
