@@ -53,7 +53,8 @@ def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT
 
 def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     """Greedy outputs of every system against kvloom continuous (else the first kvloom system, else the
-    first system), on the requests both finished.
+    first system), on the requests both finished; a system pinned to a dtype is compared with the kvloom
+    system pinned to the same one where there is such (vLLM float32 against kvloom float32).
 
     fp32 sums in a different order (other batch shapes, padding) can flip a near-tie argmax, after
     which the texts diverge; so a mismatch is reported with where it starts, never hidden or fatal.
@@ -61,9 +62,11 @@ def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     finished = [r for r in results if r.outputs]
     if not finished:
         return {}
-    reference = min(finished, key=lambda r: (r.spec.name != REFERENCE, r.spec.kind != "kvloom"))
+    default = min(finished, key=lambda r: (r.spec.name != REFERENCE, r.spec.kind != "kvloom"))
+    pinned = {r.spec.engine["dtype"]: r for r in finished if r.spec.kind == "kvloom" and "dtype" in r.spec.engine}
     report = {}
     for result in finished:
+        reference = pinned.get(result.spec.engine.get("dtype"), default) if result.spec.kind != "kvloom" else default
         if result is reference:
             continue
         common = [i for i in result.outputs if i in reference.outputs]

@@ -156,3 +156,64 @@ def goals_table(goals: list[Goal]) -> str:
     rows = ["| goal | target | measured | verdict |", "|---|---|---|---|"]
     rows += [f"| {g.name} | {g.target} | {g.measured} | **{g.verdict}** |" for g in goals]
     return "\n".join(rows)
+
+
+def _best(run: dict, kinds: tuple[str, ...]) -> dict | None:
+    done = [r for r in run["results"] if r["spec"]["kind"] in kinds and r["metrics"]]
+    return max(done, key=lambda r: r["metrics"]["output_tok_s"], default=None)
+
+
+def _versus(run: dict, name: str, target: str, ours: dict | None, theirs: dict | None, threshold: float) -> Goal:
+    if not ours or not theirs:
+        return Goal(name, target, "–", None)
+    a, b = ours["metrics"]["output_tok_s"], theirs["metrics"]["output_tok_s"]
+    detail = f": {ours['spec']['name']} {a:.1f} vs {theirs['spec']['name']} {b:.1f} out tok/s"
+    return _ratio_goal(name, target, a / b, threshold, detail=detail)
+
+
+def peer_goals(run: dict) -> list[Goal]:
+    """Issue 17's goals on one W1 run with the external peers: kvloom against vLLM's CPU build (offline, both
+    dtypes, and over HTTP), llama.cpp's server, the serving path against kvloom's own offline engine, peak
+    RSS of whole process trees, and float32 greedy agreement with vLLM."""
+    named = lambda name: system_result(run, name) if metric(run, name, "output_tok_s") else None  # noqa: E731
+    offline = _best(run, ("kvloom",))
+    goals = [
+        _versus(run, "W1 offline, best setting each", "kvloom >= 1.5x vLLM", offline, _best(run, ("vllm",)), 1.5),
+        _versus(run, "W1 offline, float32 each", "kvloom >= 1.5x vLLM", named("continuous-fp32"),
+                named("vllm-fp32"), 1.5),
+        _versus(run, "W1 over HTTP, default dtype each", "kvloom serve >= 1.5x vllm serve", named("kvloom-serve"),
+                _best(run, ("vllm-serve",)), 1.5),
+        _versus(run, "serving at offline speed", "kvloom serve >= 0.9x kvloom offline", named("kvloom-serve"),
+                offline, 0.9),
+        _versus(run, "W1 over HTTP vs llama.cpp", "kvloom serve >= 3x llama-server", named("kvloom-serve"),
+                _best(run, ("llama.cpp",)), 3.0),
+    ]
+    for ours, theirs in ((offline, _best(run, ("vllm",))), (named("kvloom-serve"), _best(run, ("vllm-serve",)))):
+        name, target = "peak RSS, whole process tree", "kvloom <= vLLM at the same KV budget"
+        if not ours or not theirs or not ours["metrics"].get("peak_rss_mb") or not theirs["metrics"].get("peak_rss_mb"):
+            goals.append(Goal(name, target, "–", None))
+            continue
+        a, b = ours["metrics"]["peak_rss_mb"], theirs["metrics"]["peak_rss_mb"]
+        goals.append(Goal(name, target, f"{ours['spec']['name']} {a:.0f} MB vs {theirs['spec']['name']} {b:.0f} MB",
+                          a <= b))
+    eq = run.get("equality", {}).get("vllm-fp32")
+    goals.append(Goal("greedy agreement in float32", "64/64 identical to vLLM float32",
+                      "–" if eq is None else f"{eq['equal']}/{eq['compared']} (vs {eq['reference']})",
+                      None if eq is None else eq["equal"] == eq["compared"] == 64))
+    return goals
+
+
+def chat_peer_goal(runs: list[dict], ours: str = "kvloom-serve", theirs: str = "vllm-serve-bf16") -> Goal:
+    """TTFT and TPOT p50 and p99 of `kvloom serve` no worse than `vllm serve`'s at every arrival rate run."""
+    rows, met = [], True
+    for run in runs:
+        worse = []
+        for stat in ("ttft.p50", "ttft.p99", "tpot.p50", "tpot.p99"):
+            a, b = metric(run, ours, stat), metric(run, theirs, stat)
+            if a is None or b is None:
+                return Goal("chat over HTTP vs vllm serve", "TTFT, TPOT p50/p99 <= vLLM's at 3 rates", "–", None)
+            if a > b:
+                worse.append(f"{stat} {a * 1000:.0f} vs {b * 1000:.0f} ms")
+        met = met and not worse
+        rows.append(f"{run['params'].get('rate')} req/s: " + ("all no worse" if not worse else "; ".join(worse)))
+    return Goal("chat over HTTP vs vllm serve", "TTFT, TPOT p50/p99 <= vLLM's at 3 rates", " / ".join(rows), met)

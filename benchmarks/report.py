@@ -48,9 +48,10 @@ def _lat(stats: dict | None, key: str, ms: bool) -> str:
 
 def _match(run: dict, name: str) -> str:
     eq = run.get("equality", {}).get(name)
-    if eq is None:
-        return "reference"
-    return f"{eq['equal']}/{eq['compared']}"
+    if eq is not None:
+        return f"{eq['equal']}/{eq['compared']}"
+    compared = {e["reference"] for e in run.get("equality", {}).values()}
+    return "reference" if name in compared else "–"  # an HTTP peer streams text, not token ids
 
 
 def cpu_efficiency(m: dict) -> float | None:
@@ -108,6 +109,8 @@ def notes(run: dict) -> str:
             more = f" (+{len(eq['mismatches']) - 6} more)" if len(eq["mismatches"]) > 6 else ""
             lines.append(f"- {name} vs {eq['reference']}: {len(eq['mismatches'])} of {eq['compared']} outputs "
                          f"differ, first divergence: {where}{more}")
+        else:
+            lines.append(f"- {name} vs {eq['reference']}: all {eq['compared']} outputs identical")
     return "\n".join(lines)
 
 
@@ -302,6 +305,14 @@ def environment_lines(env: dict) -> str:
             f"hf-cb attention `{s['hf_cb_attention']}`.")
 
 
+def peer_goals_section(runs: list[dict]) -> str:
+    """Issue 17's goals: W1's ratios against vLLM and llama.cpp, or the chat latencies at every rate run."""
+    from kvloom.benchmarks.goals import chat_peer_goal, goals_table, peer_goals
+
+    goals = chat_peer_goal(runs) if len(runs) > 1 else None
+    return "## Against vLLM and llama.cpp\n\n" + goals_table([goals] if goals else peer_goals(runs[0]))
+
+
 def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
     """JSON, markdown and PNGs of one `kvloom bench` invocation."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -312,6 +323,9 @@ def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
         parts.append(run_section(run, out_dir, f"{stem}-{i}" if len(runs) > 1 else stem, run["label"]))
     if len(runs) > 1 and all("rate" in run["params"] for run in runs):
         parts.append(rate_section(runs, out_dir, stem))
+    external = {"vllm", "vllm-serve", "llama.cpp", "kvloom-serve"}
+    if any(r["spec"]["kind"] in external for run in runs for r in run["results"]):
+        parts.append(peer_goals_section(runs))
     if doc.get("machine"):
         parts.append(roofline_section(doc["machine"], runs[0], doc["roofline_system"]))
     if doc.get("sweep"):

@@ -78,6 +78,20 @@ def test_cpp_add_rms_norm_equals_its_torch_definition(monkeypatch, rows, with_de
         torch.testing.assert_close(native_residual, residual + delta.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 37, 600])
+def test_cpp_silu_and_mul_equals_its_torch_definition(monkeypatch, rows, dtype):
+    assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
+    torch.manual_seed(0)
+    gate_up = (torch.randn(rows, 2 * 96) * 6).to(dtype)  # gates far into both tails of the sigmoid
+    native = fused_ops.silu_and_mul(gate_up)
+    monkeypatch.setattr(fused_ops, "fused_extension", lambda: None)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    assert native.dtype == dtype and native.shape == (rows, 96)
+    torch.testing.assert_close(native.float(), torch.nn.functional.silu(gate) * up, **TOLERANCE[dtype])
+    torch.testing.assert_close(fused_ops.silu_and_mul(gate_up).float(), native.float(), atol=0.1, rtol=2e-2)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("make", [PackedLinear.pack, PackedLinear.share])
