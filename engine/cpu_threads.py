@@ -3,22 +3,28 @@
 A decode step is hundreds of short parallel regions (four GEMMs, attention and a few elementwise
 passes per layer), with only microseconds of Python between them. Under OMP_WAIT_POLICY=PASSIVE every
 region wakes its sleeping workers through the kernel, ~70 us each on this project's 2-core hosts: a
-batch-1 bfloat16 step took 32 ms that way and 19 ms with a bounded spin (batch 64: 95 vs 62 ms,
-measured). GOMP's default spin (~3 ms by its own estimate of 100,000 spins a millisecond) would take
-a core from the HTTP router and proxy between steps; a tenth of it (GOMP_SPINCOUNT=30000, ~0.3 ms)
-bridges the gaps inside a step as well (19.1 vs 18.7 ms under OMP_WAIT_POLICY=ACTIVE at batch 1) and
-still sleeps between steps. libgomp reads these once, when it loads: they must be in the
-environment before torch is imported (kvloom's package sets its defaults then, and replicas get them
-through their Ray runtime environment).
+batch-1 bfloat16 step took 32 ms that way and 19 ms spinning (batch 64: 95 vs 62 ms, measured). How
+long to spin matters most when the engine shares its cores with the HTTP router, proxy and clients:
+a worker that is descheduled mid-region leaves its partner waiting, and one that sleeps too soon pays
+the wake-up on top. `kvloom serve` on W1 over HTTP: 310 out tok/s at GOMP_SPINCOUNT=3000, 316 at
+30000, 342 at 300000 (~3 ms by libgomp's own estimate of 100,000 spins a millisecond), 346 at 3M and
+344 spinning forever; so kvloom asks for 300000, libgomp's default when no policy is set, explicitly,
+since a PASSIVE inherited from elsewhere would otherwise win. An operator's own OMP_WAIT_POLICY or
+GOMP_SPINCOUNT is kept. libgomp reads these once, when it loads: they must be in the environment
+before torch is imported (kvloom's package sets its defaults then, and replicas get them through their
+Ray runtime environment).
 """
 
 import os
 
-OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "30000"}
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
 
 
 def openmp_env() -> dict[str, str]:
-    """kvloom's OpenMP settings for a new process, leaving any the operator chose."""
+    """kvloom's OpenMP settings for a new process: none where the operator chose a wait policy, else the
+    defaults under any value the operator set."""
+    if "OMP_WAIT_POLICY" in os.environ:
+        return {}
     return {key: os.environ.get(key, value) for key, value in OPENMP_DEFAULTS.items()}
 
 

@@ -1,0 +1,30 @@
+"""Thread counts and OpenMP waiting for CPU engines: an even split of a node's cores, and kvloom's spin
+default that never overrides an operator's own choice."""
+
+import pytest
+
+from kvloom.engine import cpu_threads
+
+
+@pytest.mark.parametrize("cpus, replicas, threads", [(2, 1, 2), (2, 2, 1), (2, 3, 1), (16, 3, 5), (8, 0, 8)])
+def test_replicas_on_a_node_split_its_cpus_evenly(cpus, replicas, threads):
+    assert cpu_threads.share_of_node(cpus, replicas) == threads
+
+
+def test_default_spin_is_set_where_nothing_was_chosen(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert cpu_threads.openmp_env() == {"GOMP_SPINCOUNT": "300000"}
+
+
+def test_an_operators_spin_count_is_kept(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert cpu_threads.openmp_env() == {"GOMP_SPINCOUNT": "1000"}
+
+
+def test_an_operators_wait_policy_is_not_overridden(monkeypatch):
+    """GOMP_SPINCOUNT takes precedence over OMP_WAIT_POLICY in libgomp, so kvloom must not add one."""
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert cpu_threads.openmp_env() == {}
