@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 ./dev.sh --help >/dev/null   # creates .venv on a fresh machine (the llama.cpp converter runs in it)
 bash benchmarks/peer_setup/vllm.sh >/dev/null
 bash benchmarks/peer_setup/llama_cpp.sh >/dev/null
-./dev.sh bench --workload offline-mixed --strategies continuous --peers vllm,vllm-serve,llama.cpp,kvloom-serve \
+./dev.sh bench --workload offline-mixed --strategies continuous,continuous+chunked --peers vllm,vllm-serve,llama.cpp,kvloom-serve \
   --no-roofline --budget-min 0 --out benchmarks/results/vs-peers
 ./dev.sh bench --workload chat --num-requests 32 --rates 0.5,1,1.5 --strategies "" --peers vllm-serve,kvloom-serve \
   --no-roofline --budget-min 0 --out benchmarks/results/vs-peers-chat

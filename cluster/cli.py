@@ -59,8 +59,10 @@ def _serve(args: argparse.Namespace) -> int:
     serve.run(build_app(config), name=config.name, route_prefix="/")
     router = serve.get_deployment_handle(ROUTER_NAME, config.name)
     wanted = config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
-    while len(router.replica_stats.remote().result()) < wanted:
+    while len(replicas := router.replica_stats.remote().result()) < wanted:
         time.sleep(0.5)
+    for r in replicas:
+        print(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s)")
     url = f"http://{config.http.host}:{config.http.port}"
     print(f"kvloom is serving {config.model_name} with {wanted} replica(s) at {url}/v1  (Ctrl-C stops)")
     print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
@@ -84,12 +86,14 @@ def _status(args: argparse.Namespace) -> int:
     _connect(args.address, log_to_driver=False)
     replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
     print(f"{len(replicas)} replica(s)")
-    header = f"{'replica':<10} {'device':<7} {'running':>7} {'waiting':>7} {'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7}"
+    header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'threads':>7} {'running':>7} {'waiting':>7} "
+              f"{'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7}")
     print(header)
     for r in replicas:
         hit = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
-        print(f"{r['replica_id']:<10} {r['device']:<7} {r['num_running']:>7} {r['num_waiting']:>7} "
-              f"{r['inflight']:>8} {r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7}")
+        print(f"{r['replica_id']:<10} {r['device']:<7} {r['dtype']:<9} {r['torch_threads']:>7} {r['num_running']:>7} "
+              f"{r['num_waiting']:>7} {r['inflight']:>8} {r['kv_cache_usage']:>8.1%} {hit:>10.1%} "
+              f"{r['num_preemptions']:>7}")
     return 0
 
 

@@ -94,6 +94,7 @@ class EngineReplica:
             "node_id": self.node_id,
             "device": str(engine.device),
             "torch_threads": self.threads,
+            "dtype": str(engine.dtype).removeprefix("torch."),
             "max_num_seqs": self.config.max_num_seqs,
             "block_size": engine.block_size,
             "max_model_len": engine.max_model_len,
