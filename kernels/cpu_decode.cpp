@@ -25,6 +25,8 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#include "cpu_math.h"
 #if defined(__AVX__)
 #include <immintrin.h>
 #endif
@@ -88,23 +90,9 @@ inline float horizontal_sum(vfloat v) {
 #endif
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): Cephes-style range reduction and a degree-6
-// polynomial, ~1 ulp, written as a plain loop so the compiler vectorizes it (std::exp does not).
-inline void exp_nonpositive(float* __restrict x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = std::max(x[i], -87.0f);
-    const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-    const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    x[i] = p * __builtin_bit_cast(float, bits);
-  }
+// exp in place over n scores (all <= 0 after subtracting the max): a loop the compiler vectorizes
+inline void exp_nonpositive_all(float* __restrict x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = exp_nonpositive(x[i]);
 }
 
 // the W-wide dot products of 8 keys -> one vector of their 8 sums (the first 8 lanes where W is
@@ -176,14 +164,14 @@ inline void block_update(HeadState<NV * W>& st, float* __restrict s, const T* va
   float block_max = st.running_max;
   for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, s[t]);
   for (int64_t t = 0; t < n; ++t) s[t] -= block_max;
-  exp_nonpositive(s, n);
+  exp_nonpositive_all(s, n);
   float sum = 0.f;
   for (int64_t t = 0; t < n; ++t) sum += s[t];
   vfloat acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = load(st.acc + j * W);
   if (block_max > st.running_max) {
     float correction = st.running_max - block_max;
-    exp_nonpositive(&correction, 1);
+    correction = exp_nonpositive(correction);
     st.denominator *= correction;
     for (int j = 0; j < NV; ++j) acc[j] *= correction;
     st.running_max = block_max;

@@ -3,11 +3,12 @@
 Sources sit next to this file and register their ops as `torch.ops.kvloom.*` (TORCH_LIBRARY, ATen's
 own headers: a fresh build takes seconds, where pybind's torch/extension.h alone costs half a
 minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions, in a
-folder per Python, torch version and CPU instruction set, so only the first process on a machine
+folder per Python, torch version, CPU instruction set and shared-header hash, so only the first process on a machine
 pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of time.
 """
 
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
+HERE = Path(__file__).parent
 STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
 
 
@@ -39,21 +41,28 @@ def _clear_stale_lock(build_dir: Path) -> None:
         lock.unlink(missing_ok=True)
 
 
+def _headers_key() -> str:
+    """torch's loader rebuilds when a source changes, not a header it includes: the headers' hash goes
+    into the build folder's name instead."""
+    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sorted(HERE.glob("*.h"))))
+    return digest.hexdigest()[:8]
+
+
 @functools.cache
 def build_extension(name: str):
     """`torch.ops.kvloom` once `name` is loaded, or None (with a warning) where it cannot be built:
     callers stay correct, just slower."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
-    source = Path(__file__).with_name(SOURCES[name])
+    source = HERE / SOURCES[name]
     python = f"py{sys.version_info.major}{sys.version_info.minor}"
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own override
-    build_dir = root / f"{python}-torch{torch.__version__}-{host_isa().build_key}" / name
+    build_dir = root / f"{python}-torch{torch.__version__}-{host_isa().build_key}-{_headers_key()}" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build_dir)
     try:
         load(name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
-             is_python_module=False)
+             extra_include_paths=[str(HERE)], is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, ...
         logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", source.name, exc)
         return None

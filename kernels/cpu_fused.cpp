@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <optional>
 
+#include "cpu_math.h"
+
 constexpr int64_t GRAIN = 16;  // rows per task
 
 // float32 math on float32 or bfloat16 storage; bfloat16 is rounded to nearest even, as torch rounds
@@ -120,22 +122,6 @@ at::Tensor add_rms_norm_(const at::Tensor& residual, const std::optional<at::Ten
   else
     add_norm_to<at::BFloat16>(residual, delta, weight, out, feps);
   return out;
-}
-
-// exp(x) for x <= 0: Cephes-style range reduction and a degree-6 polynomial (~1 ulp), as plain float
-// math the compiler vectorizes (std::exp does not)
-inline float exp_nonpositive(float x) {
-  const float v = std::max(x, -87.0f);
-  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
-  const float r = v - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  return p * __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
 }
 
 // SiLU(gate) * up over the gate | up halves of each row of [T, 2I], into [T, I]: one pass, where torch
