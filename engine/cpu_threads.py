@@ -8,9 +8,9 @@ long to spin matters most when the engine shares its cores with the HTTP router,
 a worker that is descheduled mid-region leaves its partner waiting, and one that sleeps too soon pays
 the wake-up on top. `kvloom serve` on W1 over HTTP: 310 out tok/s at GOMP_SPINCOUNT=3000, 316 at
 30000, 342 at 300000 (~3 ms by libgomp's own estimate of 100,000 spins a millisecond), 346 at 3M and
-344 spinning forever; so kvloom asks for 300000, libgomp's default when no policy is set, explicitly,
-since a PASSIVE inherited from elsewhere would otherwise win. An operator's own OMP_WAIT_POLICY or
-GOMP_SPINCOUNT is kept. libgomp reads these once, when it loads: they must be in the environment
+344 spinning forever; so kvloom asks for 300000 (libgomp's default when no policy is set) explicitly,
+for every process it starts. An operator's own OMP_WAIT_POLICY (a PASSIVE among them) or GOMP_SPINCOUNT
+is kept. libgomp reads these once, when it loads: they must be in the environment
 before torch is imported (kvloom's package sets its defaults then, and replicas get them through their
 Ray runtime environment).
 """
