@@ -163,7 +163,7 @@ def _best(run: dict, kinds: tuple[str, ...]) -> dict | None:
     return max(done, key=lambda r: r["metrics"]["output_tok_s"], default=None)
 
 
-def _versus(run: dict, name: str, target: str, ours: dict | None, theirs: dict | None, threshold: float) -> Goal:
+def _versus(name: str, target: str, ours: dict | None, theirs: dict | None, threshold: float) -> Goal:
     if not ours or not theirs:
         return Goal(name, target, "–", None)
     a, b = ours["metrics"]["output_tok_s"], theirs["metrics"]["output_tok_s"]
@@ -178,14 +178,14 @@ def peer_goals(run: dict) -> list[Goal]:
     named = lambda name: system_result(run, name) if metric(run, name, "output_tok_s") else None  # noqa: E731
     offline = _best(run, ("kvloom",))
     goals = [
-        _versus(run, "W1 offline, best setting each", "kvloom >= 1.5x vLLM", offline, _best(run, ("vllm",)), 1.5),
-        _versus(run, "W1 offline, float32 each", "kvloom >= 1.5x vLLM", named("continuous-fp32"),
+        _versus("W1 offline, best setting each", "kvloom >= 1.5x vLLM", offline, _best(run, ("vllm",)), 1.5),
+        _versus("W1 offline, float32 each", "kvloom >= 1.5x vLLM", named("continuous-fp32"),
                 named("vllm-fp32"), 1.5),
-        _versus(run, "W1 over HTTP, default dtype each", "kvloom serve >= 1.5x vllm serve", named("kvloom-serve"),
+        _versus("W1 over HTTP, default dtype each", "kvloom serve >= 1.5x vllm serve", named("kvloom-serve"),
                 _best(run, ("vllm-serve",)), 1.5),
-        _versus(run, "serving at offline speed", "kvloom serve >= 0.9x kvloom offline", named("kvloom-serve"),
+        _versus("serving at offline speed", "kvloom serve >= 0.9x kvloom offline", named("kvloom-serve"),
                 offline, 0.9),
-        _versus(run, "W1 over HTTP vs llama.cpp", "kvloom serve >= 3x llama-server", named("kvloom-serve"),
+        _versus("W1 over HTTP vs llama.cpp", "kvloom serve >= 3x llama-server", named("kvloom-serve"),
                 _best(run, ("llama.cpp",)), 3.0),
     ]
     for ours, theirs in ((offline, _best(run, ("vllm",))), (named("kvloom-serve"), _best(run, ("vllm-serve",)))):

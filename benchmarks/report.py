@@ -315,6 +315,8 @@ def peer_goals_section(runs: list[dict]) -> str:
 
 def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
     """JSON, markdown and PNGs of one `kvloom bench` invocation."""
+    from kvloom.benchmarks.external_peers import KINDS as EXTERNAL_KINDS  # it imports the engine: only here
+
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1))
     parts = [f"# kvloom bench: {doc['title']}", environment_lines(doc["environment"])]
@@ -323,8 +325,7 @@ def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
         parts.append(run_section(run, out_dir, f"{stem}-{i}" if len(runs) > 1 else stem, run["label"]))
     if len(runs) > 1 and all("rate" in run["params"] for run in runs):
         parts.append(rate_section(runs, out_dir, stem))
-    external = {"vllm", "vllm-serve", "llama.cpp", "kvloom-serve"}
-    if any(r["spec"]["kind"] in external for run in runs for r in run["results"]):
+    if any(r["spec"]["kind"] in EXTERNAL_KINDS for run in runs for r in run["results"]):
         parts.append(peer_goals_section(runs))
     if doc.get("machine"):
         parts.append(roofline_section(doc["machine"], runs[0], doc["roofline_system"]))

@@ -81,8 +81,10 @@ class FusedDecoder:
             ))
         if not config.tie_word_embeddings:
             self.lm_head = _pack(checkpoint, ["lm_head"])
+        elif self.dtype == torch.float32:
+            self.lm_head = PackedLinear.share(self.embed)
         else:
-            self.lm_head = PackedLinear.share(self.embed) if self.dtype == torch.float32 else PackedLinear.pack(self.embed)
+            self.lm_head = PackedLinear.pack(self.embed)
 
     @staticmethod
     def unsupported(config: ModelConfig, checkpoint: Checkpoint | None) -> str | None:

@@ -3,8 +3,8 @@
 Sources sit next to this file and register their ops as `torch.ops.kvloom.*` (TORCH_LIBRARY, ATen's
 own headers: a fresh build takes seconds, where pybind's torch/extension.h alone costs half a
 minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions, in a
-folder per Python, torch version, CPU instruction set and shared-header hash, so only the first process on a machine
-pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of time.
+folder per Python, torch version, CPU instruction set and shared-header hash, so only the first
+process on a machine pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of time.
 """
 
 import functools
