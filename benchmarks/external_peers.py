@@ -12,7 +12,6 @@ on. Every system's peak RSS is its whole process tree's (engine cores, Ray's dae
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,15 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 import yaml
 
 from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, request_rows
 from kvloom.benchmarks.http_replay import replay_http
-from kvloom.benchmarks.local_serve import free_port
 from kvloom.benchmarks.metrics import RequestRecord, summarize
-from kvloom.benchmarks.process_tree import PeakTreeRSS, tree_rss_mb, wait_for
+from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
 from kvloom.benchmarks.workloads import Workload
+from kvloom.cluster.ports import free_port
 from kvloom.engine.model_loader import resolve_model_dir
 from kvloom.kernels.host_isa import host_isa
 
@@ -154,28 +152,6 @@ def _max_model_len(workload: Workload) -> int:
     return max(len(r.prompt) + r.max_tokens for r in workload.requests)
 
 
-def _stop_tree(process: subprocess.Popen) -> None:
-    """SIGINT the server (its Ctrl-C), then terminate and kill whatever of its tree is left."""
-    try:
-        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        for p in alive:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=10)
-    process.wait()
-
-
 def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
             elapsed: float, with_outputs: bool) -> SystemResult:
     metrics = summarize(spec.name, records, wall)
@@ -207,7 +183,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
             try:
                 process.wait(limit_s)
             except subprocess.TimeoutExpired:
-                _stop_tree(process)
+                stop_tree(process)
                 return SystemResult(spec, "timeout", None, [], {}, time.monotonic() - start)
     if process.returncode != 0 or not out.exists():
         return SystemResult(spec, f"error: exit code {process.returncode} (see {out_dir / 'log.txt'})", None, [], {},
@@ -259,7 +235,7 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
                     left = max(limit_s - (time.monotonic() - start), 60.0)
                     records, wall = asyncio.run(replay_http(base, workload, SERVED_NAME, timeout_s=left))
             finally:
-                _stop_tree(process)
+                stop_tree(process)
     return _result(spec, records, wall, rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
 
 

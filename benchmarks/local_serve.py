@@ -1,15 +1,10 @@
 """A throwaway local Ray cluster with Serve on a free loopback port, for the HTTP benchmarks."""
 
 import os
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kvloom.cluster.ports import free_port
 
 
 @contextmanager

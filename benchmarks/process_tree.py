@@ -1,6 +1,8 @@
-"""Peak resident memory of a whole process tree: a server is many processes (vLLM's engine core, Ray's
-raylet, GCS and workers), and what an operator pays for is their sum, not the largest one's."""
+"""A server as a whole process tree: a server is many processes (vLLM's engine core, Ray's raylet, GCS and
+workers). Its peak resident memory is their sum, not the largest one's, and stopping it means all of them."""
 
+import signal
+import subprocess
 import threading
 import time
 
@@ -57,3 +59,25 @@ def wait_for(predicate, timeout_s: float, period_s: float = 0.5) -> bool:
             return True
         time.sleep(period_s)
     return False
+
+
+def stop_tree(process: subprocess.Popen) -> None:
+    """SIGINT the server (its Ctrl-C), then terminate and kill whatever of its tree is left."""
+    try:
+        tree = [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in alive:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+    process.wait()

@@ -1,9 +1,10 @@
-"""AsyncLLMEngine: a background step loop with one async stream per request.
+"""AsyncLLMEngine: a background step loop with async streams of its outputs.
 
 The engine runs in its own thread so a forward pass never blocks the caller's event loop.
 Callers talk to it through a command queue drained at the top of every step (the engine's
-state is only ever touched by its thread); outputs travel back with `call_soon_threadsafe`.
-Cancelling a `generate()` iterator aborts the request and frees its blocks.
+state is only ever touched by its thread); outputs travel back with `call_soon_threadsafe`,
+to one async stream per request (`generate`) or to an `OutputBatches` that carries many
+requests' outputs a step at a time. Cancelling a stream aborts what it carried and frees its blocks.
 """
 
 import asyncio
@@ -32,17 +33,40 @@ class EngineDeadError(RuntimeError):
 
 
 @dataclass
+class FailedRequest:
+    """A request the engine refused after it was queued (e.g. a duplicate id): it ends here."""
+
+    request_id: str
+    error: Exception
+
+
+@dataclass
 class _Stream:
+    """One request's outputs, in order."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def accept(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self.queue.put_nowait(output)
+
+    def fail(self, error: BaseException, request_id: str | None = None) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, error)
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput]]) -> None:
-    for stream, output in items:
-        stream.queue.put_nowait(output)
+def _accept_all(items: list[tuple["_Stream | OutputBatches", list[RequestOutput]]]) -> None:
+    for sink, outputs in items:
+        sink.accept(outputs)
+
+
+def _join(before: RequestOutput, after: RequestOutput) -> RequestOutput:
+    """`after` carrying `before`'s new tokens too: outputs are cumulative (logprobs too), so only the deltas
+    are joined."""
+    for earlier, later in zip(before.outputs, after.outputs):
+        later.delta_text = earlier.delta_text + later.delta_text
+        later.delta_token_ids = earlier.delta_token_ids + later.delta_token_ids
+    return after
 
 
 def _coalesce(output: RequestOutput, pending: asyncio.Queue) -> tuple[RequestOutput, BaseException | None]:
@@ -51,18 +75,81 @@ def _coalesce(output: RequestOutput, pending: asyncio.Queue) -> tuple[RequestOut
     A consumer that keeps up gets every step's output on its own; one that falls behind (a replica's
     stream through Ray to the router and the HTTP proxy, all sharing a few cores with the engine) gets
     one item per pull instead of a backlog of one-token items, each costing a Ray message and an SSE
-    event. Outputs are cumulative, so the last one stands for all; only the deltas are joined. An error
-    found behind them is returned, for the caller to raise after yielding what came before it.
+    event. An error found behind them is returned, for the caller to raise after yielding what came
+    before it.
     """
     while not output.finished and not pending.empty():
         later = pending.get_nowait()
         if isinstance(later, BaseException):
             return output, later
-        for before, after in zip(output.outputs, later.outputs):
-            after.delta_text = before.delta_text + after.delta_text
-            after.delta_token_ids = before.delta_token_ids + after.delta_token_ids
-        output = later
+        output = _join(output, later)
     return output, None
+
+
+class OutputBatches:
+    """Many requests' outputs through one queue, a step's worth at a time.
+
+    For a consumer that forwards outputs in bulk: a replica's channel to the router sends one Ray
+    message per engine step instead of one per running request, which was most of what serving cost
+    beyond the forward pass. `next_batch` joins whatever queued since the last call, one output per
+    request. `close` aborts the requests it still carries (their consumer is gone).
+    """
+
+    def __init__(self, engine: "AsyncLLMEngine") -> None:
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.live: set[str] = set()
+        self._error: BaseException | None = None
+
+    def add(self, request: Request) -> None:
+        """Queue `request` on the engine; its outputs come out of `next_batch`."""
+        self.live.add(request.request_id)
+        self.engine._open(request, self)
+
+    def forget(self, request_id: str) -> None:
+        """Abort a request (if it still runs) and drop its outputs from now on."""
+        if request_id in self.live:
+            self.live.discard(request_id)
+            self.engine._close(request_id)
+
+    def accept(self, outputs: list[RequestOutput]) -> None:
+        self.queue.put_nowait(outputs)
+
+    def fail(self, error: BaseException, request_id: str | None = None) -> None:
+        item = error if request_id is None else [FailedRequest(request_id, error)]
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next_batch(self) -> list[RequestOutput | FailedRequest]:
+        """Wait for outputs; raises once the engine died (after handing over what came before)."""
+        if self._error is not None:
+            raise self._error
+        joined: dict[str, RequestOutput | FailedRequest] = {}
+        item = await self.queue.get()
+        while True:
+            if isinstance(item, BaseException):
+                self._error = item
+                break
+            for output in item:
+                if output.request_id not in self.live:  # forgotten while its last outputs were on the way
+                    continue
+                before = joined.get(output.request_id)
+                joined[output.request_id] = (_join(before, output) if isinstance(before, RequestOutput)
+                                             and isinstance(output, RequestOutput) else output)
+            if self.queue.empty():
+                break
+            item = self.queue.get_nowait()
+        if not joined and self._error is not None:
+            raise self._error
+        for request_id, output in joined.items():
+            if isinstance(output, FailedRequest) or output.finished:
+                self.live.discard(request_id)
+                self.engine._streams.pop(request_id, None)
+        return list(joined.values())
+
+    def close(self) -> None:
+        for request_id in list(self.live):
+            self.forget(request_id)
 
 
 class AsyncLLMEngine:
@@ -78,7 +165,7 @@ class AsyncLLMEngine:
         """
         self.num_threads = num_threads
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream | OutputBatches] = {}
         self._wake = threading.Event()
         self._stopped = False
         self.dead_error: BaseException | None = None
@@ -110,8 +197,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a prepared request; `start` (default: queue it) runs on the engine thread."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request.request_id] = stream
-        self._send(start or (lambda engine: engine.add_prepared(request)), stream)
+        self._open(request, stream, start)
         finished = False
         error: BaseException | None = None  # met while coalescing: raised after what came before it
         try:
@@ -125,12 +211,22 @@ class AsyncLLMEngine:
                 finished = item.finished
                 yield item
         finally:
-            self._streams.pop(request.request_id, None)
-            if not finished:
-                self.abort(request.request_id)
+            if finished:
+                self._streams.pop(request.request_id, None)
+            else:
+                self._close(request.request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(lambda engine: engine.abort(request_id))
+
+    def _open(self, request: Request, sink: "_Stream | OutputBatches",
+              start: Callable[[LLMEngine], None] | None = None) -> None:
+        self._streams[request.request_id] = sink
+        self._send(start or (lambda engine: engine.add_prepared(request)), sink, request.request_id)
+
+    def _close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.abort(request_id)
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread (the only one that may touch engine state)."""
@@ -168,23 +264,24 @@ class AsyncLLMEngine:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _send(self, fn: Callable[[LLMEngine], object], errors_to: _Stream | None = None) -> None:
-        self._commands.put((fn, errors_to))
+    def _send(self, fn: Callable[[LLMEngine], object], errors_to: "_Stream | OutputBatches | None" = None,
+              request_id: str | None = None) -> None:
+        self._commands.put((fn, errors_to, request_id))
         self._wake.set()
 
     # ---- engine thread ----------------------------------------------------------------------
     def _drain_commands(self) -> None:
         while True:
             try:
-                fn, errors_to = self._commands.get_nowait()
+                fn, errors_to, request_id = self._commands.get_nowait()
             except queue.Empty:
                 return
             try:
                 fn(self.engine)
-            except Exception as exc:  # e.g. a duplicate id: fail that stream only
+            except Exception as exc:  # e.g. a duplicate id: fail that request only
                 if errors_to is None:
                     raise
-                errors_to.put(exc)
+                errors_to.fail(exc, request_id)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one per request.
@@ -193,13 +290,16 @@ class AsyncLLMEngine:
         step running beside it (on a 2-core host its OpenMP team waits at every barrier for that core);
         W1 in-process went 376 -> 386 out tok/s with one wake-up a step instead of one an output.
         """
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+        by_sink: dict[int, tuple[_Stream | OutputBatches, list[RequestOutput]]] = {}
         for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, output))
+            sink = self._streams.get(output.request_id)
+            if sink is not None:
+                by_sink.setdefault(id(sink), (sink, []))[1].append(output)
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, batch in by_sink.values():
+            by_loop.setdefault(sink.loop, []).append((sink, batch))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            loop.call_soon_threadsafe(_accept_all, items)
 
     def _run(self, config: EngineConfig) -> None:
         if self.num_threads:
@@ -222,5 +322,5 @@ class AsyncLLMEngine:
         except BaseException as exc:
             logger.exception("kvloom engine loop died")
             self.dead_error = exc
-            for stream in list(self._streams.values()):
-                stream.put(EngineDeadError(f"engine loop died: {exc!r}"))
+            for sink in {id(sink): sink for sink in list(self._streams.values())}.values():
+                sink.fail(EngineDeadError(f"engine loop died: {exc!r}"))

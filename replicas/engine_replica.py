@@ -1,11 +1,12 @@
 """EngineReplica: one AsyncLLMEngine per Ray Serve replica (a GPU, or a CPU slot).
 
-It streams plain-dict chunks (they cross process boundaries), reports bad input as an error
-chunk instead of raising (so the router can answer 400 before any byte is sent), and pushes its
-stats to the router every `stats_period_s`, which is how the router learns which replicas exist,
-how loaded they are and which prefixes they hold. The router answers each push with the number of
-replicas on this replica's node, so that CPU replicas split the node's cores between them: a lone one
-uses them all (unless the config fixes `torch_threads`).
+The router submits requests with a short call and reads every request's plain-dict chunks (they cross
+process boundaries) back over one output channel per router process, a step's worth per message (see
+router/channels.py). Bad input is answered with an error chunk instead of an exception, so the router
+can answer 400 before any byte is sent. Stats go to the router every `stats_period_s`, which is how the
+router learns which replicas exist, how loaded they are and which prefixes they hold. The router answers
+each push with the number of replicas on this replica's node, so that CPU replicas split the node's
+cores between them: a lone one uses them all (unless the config fixes `torch_threads`).
 """
 
 import asyncio
@@ -17,7 +18,7 @@ import torch
 import ray
 from ray import serve
 
-from kvloom.engine.async_engine import AsyncLLMEngine
+from kvloom.engine.async_engine import AsyncLLMEngine, OutputBatches
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
@@ -59,6 +60,7 @@ class EngineReplica:
         logger.info("kvloom replica %s: %d torch thread(s) of the %d CPU(s) it may use (%s)", self.replica_id,
                     self.threads, self.cpus, "fixed by torch_threads" if torch_threads else "alone on its node so far")
         self.node_id = ray.get_runtime_context().get_node_id()
+        self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
         self._stats_task = None
         if router_name:
             router = serve.get_deployment_handle(router_name, context.app_name)
@@ -136,17 +138,43 @@ class EngineReplica:
             "cached_tokens": output.num_cached_tokens,
         }
 
-    async def generate(self, request: dict, target_replica: str | None = None) -> AsyncIterator[dict]:
-        """Stream chunks for one request: {"error": ...} first and alone if it is invalid."""
+    async def submit(self, request: dict, channel: str, target_replica: str | None = None) -> dict:
+        """Queue a request whose chunks go out on `channel` (see `outputs`). Answers which replica took it,
+        or an error chunk for bad input (so the router can answer 400 before any byte is sent)."""
         try:
             req = self.make_request(request)
         except (InvalidRequestError, ValueError) as exc:
-            yield self.error_chunk(exc)
-            return
-        async for output in self.engine.generate_request(req):
-            yield self.chunk(output)
+            return self.error_chunk(exc)
+        self._channel(channel).add(req)
+        return {"replica": self.replica_id}
 
-    async def abort(self, request_id: str) -> None:
+    async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[dict]:
+        """The chunks of every request submitted on `channel`, a step's worth per item: one Ray message per
+        engine step instead of one per running request. The first item, at once, names this replica; a
+        request's chunks carry its `request_id`. Closing the stream aborts the requests still on it."""
+        yield {"replica": self.replica_id, "chunks": []}
+        if target_replica not in (None, self.replica_id):
+            return  # Serve routed it here because the target is gone: the router learns that from the first item
+        batches = self._channel(channel)
+        try:
+            while True:
+                outputs = await batches.next_batch()
+                yield {"replica": self.replica_id, "chunks": [
+                    {"request_id": o.request_id, **(self.chunk(o) if isinstance(o, RequestOutput)
+                                                    else self.error_chunk(o.error))} for o in outputs]}
+        finally:
+            if self.channels.get(channel) is batches:
+                del self.channels[channel]
+            batches.close()
+
+    def _channel(self, channel: str) -> OutputBatches:
+        if channel not in self.channels:
+            self.channels[channel] = OutputBatches(self.engine)
+        return self.channels[channel]
+
+    async def abort(self, request_id: str, target_replica: str | None = None) -> None:
+        for batches in self.channels.values():
+            batches.forget(request_id)
         self.engine.abort(request_id)
 
     def check_health(self) -> None:

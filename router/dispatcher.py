@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import ray.exceptions
 
 from kvloom.router.admission import AdmissionQueue, Ticket
+from kvloom.router.channels import ReplicaGone
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.tenants import Tenant
@@ -37,19 +38,9 @@ class Job:
     arrival: float = field(default_factory=time.monotonic)
 
 
-class ColocatedStreams:
-    """One replica runs the whole request (the default; see router/disagg.py for the other way)."""
-
-    def __init__(self, replicas_handle) -> None:
-        self.handle = replicas_handle
-
-    def open(self, payload: dict, replica_id: str):
-        return self.handle.options(stream=True).generate.remote(payload, target_replica=replica_id)
-
-
 class Dispatcher:
     def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2) -> None:
-        self.streams = streams  # ColocatedStreams or DisaggStreams: `open(payload, replica_id)`
+        self.streams = streams  # ReplicaChannels or DisaggStreams: `open(payload, replica_id)`
         self.admission = admission
         self.metrics = metrics
         self.max_retries = max_retries
@@ -91,7 +82,7 @@ class Dispatcher:
                     finished = chunk.get("finish_reason") is not None or "error" in chunk
                     yield chunk
                 return
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaGone) as exc:
                 self.admission.table.drop(replica.replica_id)
                 logger.warning("replica %s failed on %s: %r", replica.replica_id, job.request_id, exc)
                 if streamed:

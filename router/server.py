@@ -22,7 +22,8 @@ from ray import serve
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
-from kvloom.router.dispatcher import ColocatedStreams, Dispatcher, Job
+from kvloom.router.channels import ReplicaChannels
+from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
@@ -74,7 +75,7 @@ class Router:
         self.metrics = RouterMetrics(self.table)
         self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         streams = (DisaggStreams(replicas_handle, decode_handle, self.decode_table, self.settings.disagg_transport)
-                   if decode_handle is not None else ColocatedStreams(replicas_handle))
+                   if decode_handle is not None else ReplicaChannels(replicas_handle))
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries)
         self.created = int(time.time())
         self._apply(TenancySettings())

@@ -105,19 +105,13 @@ def drive():
     return run_to_completion
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def ray_serve():
     """A local Ray cluster with Serve listening on a free loopback port; yields the base URL."""
     import ray
     from ray import serve
+
+    from kvloom.cluster.ports import free_port
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     port = free_port()

@@ -1,11 +1,11 @@
-"""AsyncLLMEngine streams tokens per request, hands a consumer that fell behind its backlog in one item, and a
-cancelled stream frees everything it held."""
+"""AsyncLLMEngine streams tokens per request or many requests a step at a time, hands a consumer that fell
+behind its backlog in one item, and a cancelled stream frees everything it held."""
 
 import asyncio
 
 import pytest
 
-from kvloom.engine.async_engine import AsyncLLMEngine
+from kvloom.engine.async_engine import AsyncLLMEngine, FailedRequest, OutputBatches
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
@@ -72,4 +72,52 @@ async def test_bad_request_fails_alone_and_engine_keeps_serving(async_engine):
         await collect(async_engine, [], SamplingParams())
     outputs = await collect(async_engine, [7, 8, 9], SamplingParams(max_tokens=3, temperature=0))
     assert outputs[-1].finished
+    async_engine.check_health()
+
+
+async def test_output_batches_carry_many_requests_a_step_at_a_time(async_engine):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompts = {f"batch-{i}": list(range(5 + i, 20 + i)) for i in range(4)}
+    alone = {rid: (await collect(async_engine, p, params))[-1].outputs[0].token_ids for rid, p in prompts.items()}
+    batches = OutputBatches(async_engine)
+    for rid, prompt in prompts.items():
+        batches.add(async_engine.engine.make_request(rid, prompt, params))
+    streamed: dict[str, list[int]] = {rid: [] for rid in prompts}
+    pulls = 0
+    while batches.live:
+        outputs = await batches.next_batch()
+        pulls += 1
+        assert len({o.request_id for o in outputs}) == len(outputs)  # one output per request per pull
+        for output in outputs:
+            streamed[output.request_id] += output.outputs[0].delta_token_ids
+    assert streamed == alone
+    assert pulls < sum(len(t) for t in alone.values()) / 2  # not one pull per request per step
+
+
+async def test_closing_output_batches_aborts_their_requests_and_frees_blocks(async_engine):
+    batches = OutputBatches(async_engine)
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    for i in range(3):
+        batches.add(async_engine.engine.make_request(f"closed-{i}", list(range(3, 30)), params))
+    await batches.next_batch()
+    batches.close()
+    for _ in range(100):
+        stats = async_engine.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
+async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engine):
+    batches = OutputBatches(async_engine)
+    params = SamplingParams(max_tokens=3, temperature=0)
+    request = async_engine.engine.make_request("twice", [7, 8, 9], params)
+    batches.add(request)
+    batches.add(async_engine.engine.make_request("twice", [7, 8, 9], params))  # the id is already running
+    outcomes = []
+    while batches.live or not outcomes:
+        outcomes += await batches.next_batch()
+    assert any(isinstance(o, FailedRequest) and "already running" in str(o.error) for o in outcomes)
     async_engine.check_health()

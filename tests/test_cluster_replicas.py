@@ -75,6 +75,34 @@ def test_concurrent_requests_use_both_replicas(two_replicas):
     assert len(served) == 2 and all(count > 0 for count in served.values()), served
 
 
+def test_a_replica_sends_its_channel_a_step_of_every_request_per_message(two_replicas):
+    """The router's requests come back over one stream per replica, not one per request (see router/channels)."""
+    _, router = two_replicas
+    target = router.replica_stats.remote().result()[0]["replica_id"]
+    replicas = serve.get_deployment_handle("EngineReplica", "kvloom")
+    sampling = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        stream = replicas.options(stream=True).outputs.remote("spec-channel", target_replica=target)
+        hello = await stream.__anext__()
+        ids = [f"channel-{i}" for i in range(4)]
+        replies = await asyncio.gather(*(replicas.submit.remote(
+            {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4 + i], "sampling": sampling}, "spec-channel",
+            target_replica=target) for i, rid in enumerate(ids)))
+        tokens, messages = {rid: [] for rid in ids}, 0
+        async for item in stream:
+            messages += 1
+            for chunk in item["chunks"]:
+                tokens[chunk["request_id"]] += chunk["token_ids"]
+            if all(len(t) == 16 for t in tokens.values()):
+                stream.cancel()
+                return hello, replies, tokens, messages
+
+    hello, replies, tokens, messages = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert hello == {"replica": target, "chunks": []} and replies == [{"replica": target}] * 4
+    assert messages < sum(len(t) for t in tokens.values()) / 2
+
+
 def test_killed_replica_loses_no_request(two_replicas):
     base, router = two_replicas
 

@@ -11,7 +11,7 @@ import ray.exceptions
 
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.router.admission import AdmissionQueue, Ticket
-from kvloom.router.dispatcher import ColocatedStreams, Dispatcher, Job
+from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.replica_table import ReplicaTable
@@ -105,19 +105,15 @@ class ScriptedResponse:
             raise ray.exceptions.RayActorError()
 
 
-class ScriptedHandle:
-    """Stands in for Serve's DeploymentHandle: per replica, a scripted stream."""
+class ScriptedStreams:
+    """Stands in for the replica channels: per replica, a scripted stream."""
 
     def __init__(self, scripts):
         self.scripts, self.calls = scripts, []
-        self.generate = self
 
-    def options(self, **_):
-        return self
-
-    def remote(self, payload, target_replica):
-        self.calls.append(target_replica)
-        return self.scripts[target_replica]()
+    def open(self, payload, replica_id):
+        self.calls.append(replica_id)
+        return self.scripts[replica_id]()
 
 
 def chunk(tokens, finish=None):
@@ -129,8 +125,8 @@ def make_dispatcher(scripts):
     table = ReplicaTable(slack=0)
     for name in scripts:
         table.report(stats(name, max_num_seqs=1))
-    handle = ScriptedHandle(scripts)
-    return Dispatcher(ColocatedStreams(handle), AdmissionQueue(table, 10), RouterMetrics(table)), handle, table
+    streams = ScriptedStreams(scripts)
+    return Dispatcher(streams, AdmissionQueue(table, 10), RouterMetrics(table)), streams, table
 
 
 async def test_request_that_streamed_nothing_is_retried_on_another_replica():

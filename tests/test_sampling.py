@@ -15,7 +15,7 @@ import shutil
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model_config import ModelConfig

@@ -1,0 +1,98 @@
+"""Colocated requests over one output channel per replica.
+
+A request is submitted with a short call (`EngineReplica.submit`); its chunks come back, with every
+other request's on that replica, over one long-lived stream per replica (`EngineReplica.outputs`),
+a step's worth per Ray message, and are handed to each request's own queue here. One message a
+step instead of one per running request: at 64 streams that was most of the CPU serving spent
+beyond the forward pass, on hosts where the router, the proxy and the engine share a few cores.
+
+To the dispatcher a request still looks like one replica's stream (`open(payload, replica_id)`, an
+async iterator of chunks with `cancel()`). A replica whose channel breaks fails every request on it
+with `ReplicaGone` (or Ray's own error), which the dispatcher treats like a replica that died.
+"""
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaGone(RuntimeError):
+    """The replica's output channel ended or broke with requests still on it."""
+
+
+class ReplicaChannels:
+    def __init__(self, replicas_handle) -> None:
+        self.handle = replicas_handle
+        self.channel_id = uuid.uuid4().hex  # this router process's channel on every replica
+        self.requests: dict[str, "ChannelStream"] = {}
+        self._listeners: dict[str, asyncio.Task] = {}
+
+    def open(self, payload: dict, replica_id: str) -> "ChannelStream":
+        return ChannelStream(self, payload, replica_id)
+
+    def listen(self, replica_id: str) -> None:
+        """Make sure the replica's channel is being read (opened on the first request sent there)."""
+        if replica_id not in self._listeners:
+            self._listeners[replica_id] = asyncio.get_running_loop().create_task(self._listen(replica_id))
+
+    async def _listen(self, replica_id: str) -> None:
+        stream = self.handle.options(stream=True).outputs.remote(self.channel_id, target_replica=replica_id)
+        error: BaseException = ReplicaGone(f"replica {replica_id} closed its output channel")
+        try:
+            async for item in stream:
+                if item["replica"] != replica_id:  # Serve sent the call elsewhere: the target is gone
+                    error = ReplicaGone(f"replica {replica_id} is gone")
+                    break
+                for chunk in item["chunks"]:
+                    request = self.requests.get(chunk["request_id"])
+                    if request is not None:
+                        request.queue.put_nowait(chunk)
+        except Exception as exc:  # the replica died (RayActorError) or its channel broke
+            error = exc
+        finally:
+            del self._listeners[replica_id]
+            for request in list(self.requests.values()):
+                if request.replica_id == replica_id and not request.finished:
+                    request.queue.put_nowait(error)
+
+
+class ChannelStream:
+    """One request's chunks: the dispatcher iterates it and cancels it if it stops early."""
+
+    def __init__(self, owner: ReplicaChannels, payload: dict, replica_id: str) -> None:
+        self.owner = owner
+        self.payload = payload
+        self.request_id = payload["request_id"]
+        self.replica_id: str | None = None  # where it runs, once submitted
+        self.target = replica_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def cancel(self) -> None:
+        if self.replica_id is not None and not self.finished:
+            self.finished = True
+            self.owner.handle.abort.remote(self.request_id, target_replica=self.replica_id)
+
+    async def __aiter__(self) -> AsyncIterator[dict]:
+        owner = self.owner
+        owner.requests[self.request_id] = self
+        try:
+            reply = await owner.handle.submit.remote(self.payload, owner.channel_id, target_replica=self.target)
+            if "error" in reply:
+                self.finished = True
+                yield reply
+                return
+            self.replica_id = reply["replica"]
+            owner.listen(self.replica_id)
+            while not self.finished:
+                chunk = await self.queue.get()
+                if isinstance(chunk, BaseException):
+                    self.finished = True  # nothing left to abort there
+                    raise chunk
+                self.finished = chunk["finish_reason"] is not None or "error" in chunk
+                yield chunk
+        finally:
+            owner.requests.pop(self.request_id, None)
