@@ -29,6 +29,9 @@ ROUTER_NAME = "Router"
 REPLICA_NAME = "EngineReplica"
 PREFILL_NAME = "PrefillReplica"
 DECODE_NAME = "DecodeReplica"
+# no access-log line per call: the router's submits and channel reads, and the replicas' stats pushes twice
+# a second, are internal traffic (each line also cost the replica's process time beside its engine)
+QUIET = {"enable_access_log": False}
 
 
 def tenancy_user_config(config: ClusterConfig) -> dict:
@@ -60,12 +63,13 @@ def build_app(config: ClusterConfig) -> serve.Application:
             health_check_period_s=2,
             health_check_timeout_s=30,
             graceful_shutdown_timeout_s=5,
+            logging_config=QUIET,
             **replica_scaling,
         )
 
     router = serve.deployment(Router).options(
         name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
-        user_config=tenancy_user_config(config),
+        user_config=tenancy_user_config(config), logging_config=QUIET,
     )
     settings = {
         "served_model_name": config.model_name,
