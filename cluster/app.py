@@ -29,9 +29,6 @@ ROUTER_NAME = "Router"
 REPLICA_NAME = "EngineReplica"
 PREFILL_NAME = "PrefillReplica"
 DECODE_NAME = "DecodeReplica"
-# no access-log line per call: the router's submits and channel reads, and the replicas' stats pushes twice
-# a second, are internal traffic (each line also cost the replica's process time beside its engine)
-QUIET = {"enable_access_log": False}
 
 
 def tenancy_user_config(config: ClusterConfig) -> dict:
@@ -43,7 +40,10 @@ def tenancy_user_config(config: ClusterConfig) -> dict:
     ).model_dump(mode="json")
 
 
-def build_app(config: ClusterConfig) -> serve.Application:
+def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str = "TEXT") -> serve.Application:
+    """No access-log line for the replicas' calls: the router's submits and channel reads and their stats
+    pushes twice a second are internal traffic (each line also cost time in the engine's process). The
+    router logs one line per HTTP request only if `http.access_log` asks."""
     scaling = (
         {"autoscaling_config": config.autoscaling_config}
         if config.autoscaling_config
@@ -52,6 +52,7 @@ def build_app(config: ClusterConfig) -> serve.Application:
     resources = config.resources
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
+    logs = {"log_level": log_level, "encoding": log_encoding, "enable_access_log": False}
 
     def replica_deployment(cls, name: str, replica_scaling: dict):
         return serve.deployment(cls).options(
@@ -63,13 +64,13 @@ def build_app(config: ClusterConfig) -> serve.Application:
             health_check_period_s=2,
             health_check_timeout_s=30,
             graceful_shutdown_timeout_s=5,
-            logging_config=QUIET,
+            logging_config=logs,
             **replica_scaling,
         )
 
     router = serve.deployment(Router).options(
         name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
-        user_config=tenancy_user_config(config), logging_config=QUIET,
+        user_config=tenancy_user_config(config), logging_config={**logs, "enable_access_log": config.http.access_log},
     )
     settings = {
         "served_model_name": config.model_name,

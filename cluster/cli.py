@@ -1,8 +1,6 @@
 """The `kvloom` command line."""
 
 import argparse
-import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -40,60 +38,10 @@ def _connect(address: str | None, log_to_driver: bool = True) -> None:
     ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=log_to_driver)
 
 
-def _raise_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
-def direct_ingress_env(port: int) -> dict[str, str]:
-    """Ray Serve's direct ingress, for a Ray cluster that `kvloom serve` starts itself: the router deployment
-    answers HTTP on `port` in its own process instead of behind Serve's proxy actor (one hop, one process and
-    one JSON re-framing less per streamed token). On 2 cores, W1 over HTTP went 358 -> 435 out tok/s with it.
-    Serve still starts its proxy on the head node, on a port of its own, as the fallback route. No load
-    balancer stands in front to deregister the router, so it does not hold a 30 s drain window on shutdown."""
-    return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-            "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
-
-
 def _serve(args: argparse.Namespace) -> int:
-    from kvloom.cluster.config import load_cluster_config
+    from kvloom.cluster.serve_command import serve_main
 
-    config = load_cluster_config(args.config)
-    if args.port is not None:
-        config = config.model_copy(update={"http": config.http.model_copy(update={"port": args.port})})
-    proxy_port = config.http.port
-    if args.address is None:  # our own cluster: its processes inherit this environment
-        from kvloom.cluster.ports import free_port
-
-        os.environ.update(direct_ingress_env(config.http.port))
-        proxy_port = free_port()
-    from ray import serve
-
-    from kvloom.cluster.app import ROUTER_NAME, build_app
-
-    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop as cleanly on SIGTERM as on Ctrl-C
-    _connect(args.address)
-    serve.start(http_options={"host": config.http.host, "port": proxy_port})
-    print(f"deploying {config.model_name} from {args.config} ...", flush=True)
-    serve.run(build_app(config), name=config.name, route_prefix="/")
-    router = serve.get_deployment_handle(ROUTER_NAME, config.name)
-    wanted = config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
-    while len(replicas := router.replica_stats.remote().result()) < wanted:
-        time.sleep(0.5)
-    for r in replicas:
-        print(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s)")
-    url = f"http://{config.http.host}:{config.http.port}"
-    print(f"kvloom is serving {config.model_name} with {wanted} replica(s) at {url}/v1  (Ctrl-C stops)")
-    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
-          flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("shutting down ...", flush=True)
-    finally:
-        serve.shutdown()
-    return 0
+    return serve_main(args)
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -166,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--config", default=str(DEFAULT_CONFIG), help="cluster YAML (default: configs/local-cpu.yaml)")
     srv.add_argument("--address", default=None, help="Ray cluster to join (auto, ray://host:port); default: start a local one")
     srv.add_argument("--port", type=int, default=None, help="override http.port")
+    srv.add_argument("--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                     help="console and Serve log level (default WARNING: the startup summary, warnings, errors)")
+    srv.add_argument("--log-format", default="text", choices=["text", "json"], help="json: one JSON object a line")
     srv.set_defaults(func=_serve)
 
     st = sub.add_parser("status", help="show the replicas of a running deployment")

@@ -31,6 +31,9 @@ class RouterConfig(PolicyConfig, Strict):
     replica_slack: int = Field(4, ge=0, description="requests a replica may queue beyond max_num_seqs")
     imbalance_threshold: int = Field(8, ge=0, description="load gap that overrides prefix affinity")
     max_retries: int = Field(2, ge=0)
+    max_request_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
+    metrics_require_admin: bool = Field(False, description="GET /metrics asks for an admin key (its labels name "
+                                                           "tenants)")
 
 
 class DisaggregationConfig(Strict):
@@ -45,6 +48,9 @@ class DisaggregationConfig(Strict):
 class HTTPConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    access_log: bool = Field(False, description="one console line per HTTP request")
+    drain_timeout_s: float = Field(30, ge=0, description="on SIGTERM or Ctrl-C, how long in-flight requests may "
+                                                         "finish before the server stops")
 
 
 class ClusterConfig(Strict):

@@ -198,6 +198,13 @@ class LLMEngine:
                 f"is {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)",
             )
+        room = self.max_model_len - len(token_ids)
+        if params.max_tokens > room:  # as vLLM and OpenAI answer, rather than stopping short silently
+            raise InvalidRequestError(
+                "max_tokens",
+                f"is {params.max_tokens}, but max_model_len is {self.max_model_len} and the prompt takes "
+                f"{len(token_ids)} tokens of it: at most {room} can be generated",
+            )
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError("prompt", f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")

@@ -2,17 +2,22 @@
 
 Sources sit next to this file and register their ops as `torch.ops.kvloom.*` (TORCH_LIBRARY, ATen's
 own headers: a fresh build takes seconds, where pybind's torch/extension.h alone costs half a
-minute). torch caches the build (keyed by the source's hash) under ~/.cache/torch_extensions, in a
-folder per Python, torch version, CPU instruction set and shared-header hash, so only the first
-process on a machine pays the compile; `python -m kvloom.kernels.cpu_extensions` does it ahead of time.
+minute). Builds live under ~/.cache/torch_extensions in a folder per Python, torch version, CPU
+instruction set and hash of the sources' content, and build from a copy of the source inside that
+folder: two checkouts of the same code on one machine (a CI clone beside a working tree) share one
+build instead of rebuilding each other's (torch's loader keys a build by the source's path too).
+Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions`, so replicas only load. Builders
+serialize on an flock, which dies with its holder: a process killed mid-build leaves no lock that
+the next one waits on, and a waiting or compiling replica says so in its log.
 """
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,46 +30,49 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=
 LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
 HERE = Path(__file__).parent
-STALE_LOCK_S = 600  # a build takes well under a minute; an older lock is a dead builder's
 
 
-def _clear_stale_lock(build_dir: Path) -> None:
-    """torch's loader waits forever on the lock file of a build whose process was killed (a replica
-    torn down mid-compile): drop a lock that no live build could still hold."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale build lock %s (%.0f s old)", lock, age)
-        lock.unlink(missing_ok=True)
+def _content_key(source: Path) -> str:
+    """The source's and the shared headers' content (torch's loader would not notice a header change)."""
+    files = [source, *sorted(HERE.glob("*.h"))]
+    return hashlib.sha1(b"".join(path.read_bytes() for path in files)).hexdigest()[:10]
 
 
-def _headers_key() -> str:
-    """torch's loader rebuilds when a source changes, not a header it includes: the headers' hash goes
-    into the build folder's name instead."""
-    digest = hashlib.sha1(b"".join(path.read_bytes() for path in sorted(HERE.glob("*.h"))))
-    return digest.hexdigest()[:8]
+def build_dir_for(name: str) -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    source = HERE / SOURCES[name]
+    python = f"py{sys.version_info.major}{sys.version_info.minor}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own override
+    return root / f"{python}-torch{torch.__version__}-{host_isa().build_key}" / f"{name}-{_content_key(source)}"
 
 
 @functools.cache
 def build_extension(name: str):
     """`torch.ops.kvloom` once `name` is loaded, or None (with a warning) where it cannot be built:
     callers stay correct, just slower."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+    from torch.utils.cpp_extension import load
 
-    source = HERE / SOURCES[name]
-    python = f"py{sys.version_info.major}{sys.version_info.minor}"
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())  # torch's own override
-    build_dir = root / f"{python}-torch{torch.__version__}-{host_isa().build_key}-{_headers_key()}" / name
+    build_dir = build_dir_for(name)
     build_dir.mkdir(parents=True, exist_ok=True)
-    _clear_stale_lock(build_dir)
     try:
-        load(name, [str(source)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, build_directory=str(build_dir),
-             extra_include_paths=[str(HERE)], is_python_module=False)
+        with (build_dir / "kvloom.lock").open("w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                logger.warning("waiting for another process building the CPU kernel %s in %s", name, build_dir)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            # we hold the only build lock: a torch lock file left here is a killed builder's
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not (build_dir / f"{name}.so").exists():
+                logger.warning("compiling the CPU kernel %s (once per machine and source; seconds)", name)
+            for path in [HERE / SOURCES[name], *HERE.glob("*.h")]:
+                if not (build_dir / path.name).exists():
+                    shutil.copyfile(path, build_dir / path.name)
+            load(name, [str(build_dir / SOURCES[name])], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                 build_directory=str(build_dir), extra_include_paths=[str(build_dir)], is_python_module=False)
     except Exception as exc:  # no compiler, no ninja, ...
-        logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", source.name, exc)
+        logger.warning("kvloom CPU kernel %s unavailable (%s); using the torch fallback", name, exc)
         return None
     return torch.ops.kvloom
 

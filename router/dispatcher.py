@@ -44,8 +44,17 @@ class Dispatcher:
         self.admission = admission
         self.metrics = metrics
         self.max_retries = max_retries
+        self.active = 0  # requests between admission and their last chunk (what a drain waits for)
 
     async def run(self, job: Job) -> AsyncIterator[dict]:
+        self.active += 1
+        try:
+            async for chunk in self._run(job):
+                yield chunk
+        finally:
+            self.active -= 1
+
+    async def _run(self, job: Job) -> AsyncIterator[dict]:
         tenant = job.tenant
         try:
             tenant.quota.admit(tenant.name, job.prompt_tokens, job.max_tokens, job.arrival)

@@ -43,6 +43,8 @@ class RouterSettings(BaseModel):
     replica_slack: int = 4
     imbalance_threshold: int = 8
     max_retries: int = 2
+    max_request_bytes: int = 4 * 2**20
+    metrics_require_admin: bool = False
     disagg_transport: str | None = None  # set: prefill/decode replicas hand KV over this transport
 
 
@@ -78,6 +80,7 @@ class Router:
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries)
         self.created = int(time.time())
+        self.draining = False
         self._apply(TenancySettings())
 
     # ---- reloadable settings ----------------------------------------------------------------
@@ -101,6 +104,15 @@ class Router:
         return sum(r.stats.get("node_id") == stats.get("node_id") for t in (self.table, self.decode_table)
                    for r in t.live())
 
+    # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
+    async def drain(self) -> int:
+        """Stop admitting (503 from now on); answers how many requests are still in flight."""
+        self.draining = True
+        return self.dispatcher.active
+
+    async def in_flight(self) -> int:
+        return self.dispatcher.active
+
     async def replica_stats(self) -> list[dict]:
         return [dict(r.stats, inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
                 for table in (self.table, self.decode_table) for r in table.live()]
@@ -111,11 +123,32 @@ class Router:
             raise APIError(404, f"model '{model}' does not exist; this server serves "
                                 f"'{self.settings.served_model_name}'", "model", "model_not_found")
 
+    async def _body(self, request: Request) -> bytes:
+        """The raw body, refused with 413 as soon as it passes `max_request_bytes` (not read whole first)."""
+        limit = self.settings.max_request_bytes
+        too_large = APIError(413, f"request body is over {limit} bytes (router.max_request_bytes)", None,
+                             "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _parse(self, request: Request, schema):
+        if self.draining:
+            raise APIError(503, "the server is shutting down", code="draining")
+        raw = await self._body(request)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise APIError(400, f"malformed JSON body: {exc}", None, "invalid_json") from exc
+        except RecursionError as exc:
+            raise APIError(400, "malformed JSON body: nested too deeply", None, "invalid_json") from exc
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", None, "invalid_json")
         try:
@@ -125,6 +158,8 @@ class Router:
             raise validation_error(exc.errors()) from exc
         except UnsupportedFieldError as exc:
             raise APIError(400, str(exc), exc.field, "unsupported_field") from exc
+        except RecursionError as exc:
+            raise APIError(400, "request body is nested too deeply", None, "invalid_json") from exc
         self._check_model(parsed.model)
         return parsed
 
@@ -134,7 +169,10 @@ class Router:
     def _job(self, tenant: Tenant, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
         limit = tenant.config.quotas.max_tokens_per_request
         if max_tokens is None and limit is not None:
-            max_tokens = max(1, limit - len(token_ids))  # "as long as the tenant may"; admission checks the prompt
+            # "as long as the tenant may" within the model's room (none known: no replica yet, or a prompt
+            # too long on its own, which the replica refuses); admission checks the prompt
+            wanted, room = limit - len(token_ids), self.table.max_model_len() - len(token_ids)
+            max_tokens = max(1, min(wanted, room) if room > 0 else wanted)
         priority = tenant.effective_priority(body.priority)
         try:
             sampling = body.sampling_params(max_tokens or 1, logprobs).model_dump()
@@ -160,14 +198,23 @@ class Router:
 
     # ---- endpoints --------------------------------------------------------------------------
     @api.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        """200 while a replica is ready; a quiet 503 (a load balancer polls this) while none is, or draining."""
         live = self.table.live()
+        if self.draining:
+            return APIError(503, "the server is shutting down", code="draining").response()
         if not live:
-            raise APIError(503, "no engine replica is ready yet", code="no_replicas")
+            return APIError(503, "no engine replica is ready yet", code="no_replicas").response()
         return {"status": "ok", "replicas": len(live)}
 
     @api.get("/metrics")
-    async def metrics_endpoint(self) -> Response:
+    async def metrics_endpoint(self, request: Request) -> Response:
+        """Prometheus text; per-tenant labels name tenants, so `router.metrics_require_admin` can close it."""
+        if self.settings.metrics_require_admin:
+            try:
+                self.tenants.authenticate_admin(request.headers.get("authorization"))
+            except APIError as exc:
+                return exc.response()
         self.metrics.router_queued.set(len(self.admission))
         self.metrics.observe_tenants(list(self.tenants.ledger), self.admission.queued_by_tenant(), self.counters.values)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

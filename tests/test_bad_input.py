@@ -98,9 +98,18 @@ def test_prompt_that_leaves_no_room_to_generate(engine, serves, length):
 
 
 def test_longest_allowed_prompt_generates_one_token(engine, serves, drive):
-    (output,) = drive(engine, [[7] * (MAX_MODEL_LEN - 1)], SamplingParams(max_tokens=10, temperature=0))
+    (output,) = drive(engine, [[7] * (MAX_MODEL_LEN - 1)], SamplingParams(max_tokens=1, temperature=0))
     assert len(output.outputs[0].token_ids) == 1
     assert output.outputs[0].finish_reason == "length"
+    serves()
+
+
+def test_max_tokens_beyond_the_room_left_is_refused_with_the_numbers(engine, serves):
+    prompt = [7] * (MAX_MODEL_LEN - 4)
+    with pytest.raises(InvalidRequestError, match=f"is 10, but max_model_len is {MAX_MODEL_LEN} and the prompt "
+                                                  f"takes {MAX_MODEL_LEN - 4} tokens of it: at most 4") as info:
+        engine.add_request("too-long", prompt, SamplingParams(max_tokens=10, temperature=0))
+    assert info.value.field == "max_tokens"
     serves()
 
 

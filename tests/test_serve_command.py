@@ -1,9 +1,13 @@
-"""`kvloom serve`, the command a user runs: it starts its own Ray cluster and the router answers HTTP on the
-configured port itself (Serve's direct ingress), with no proxy hop in between. Real processes, real HTTP."""
+"""`kvloom serve`, the command a user runs: it starts its own Ray cluster, the router answers HTTP on the
+configured port itself (Serve's direct ingress, no proxy hop), /health is a quiet 503 until a replica is
+ready, and SIGTERM drains: new requests get 503 while the ones in flight finish, then everything it started
+exits. Real processes, real HTTP."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
@@ -25,14 +29,23 @@ engine:
   max_num_seqs: 8
 http:
   port: {port}
+  drain_timeout_s: 60
 """
 
 
-def healthy(base: str) -> bool:
-    try:
-        return httpx.get(f"{base}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int, log) -> None:
+        self.process, self.port, self.log = process, port, log
+        self.base = f"http://127.0.0.1:{port}"
+        self.health_answers: list[tuple[int, dict]] = []  # every /health answer until the first 200
+
+    def healthy(self) -> bool:
+        try:
+            response = httpx.get(f"{self.base}/health", timeout=2)
+        except httpx.HTTPError:
+            return False
+        self.health_answers.append((response.status_code, response.json()))
+        return response.status_code == 200
 
 
 def listener(port: int) -> psutil.Process:
@@ -45,31 +58,78 @@ def served(tmp_path_factory):
     port = free_port()
     config = tmp_path_factory.mktemp("serve") / "serve.yaml"
     config.write_text(CONFIG.format(port=port))
-    log = config.with_suffix(".log").open("w")
+    log = config.with_suffix(".log")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, not the tests' one
     process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    server = Server(process, port, log)
     try:
-        assert wait_for(lambda: healthy(base) or process.poll() is not None, 240) and process.poll() is None, \
-            config.with_suffix(".log").read_text()[-3000:]
-        yield base, port, config.with_suffix(".log")
+        assert wait_for(lambda: server.healthy() or process.poll() is not None, 240, period_s=0.2) \
+            and process.poll() is None, log.read_text()[-3000:]
+        yield server
     finally:
         stop_tree(process)
 
 
 def test_the_router_itself_listens_on_the_configured_port(served):
-    _, port, _ = served
-    assert "Router" in " ".join(listener(port).cmdline())
+    assert "Router" in " ".join(listener(served.port).cmdline())
+
+
+def test_health_is_a_quiet_503_until_a_replica_is_ready(served):
+    for status, body in served.health_answers[:-1]:
+        assert status == 503 and body["error"]["code"] == "no_replicas"
+    assert served.health_answers[-1][0] == 200
+    assert "Traceback" not in served.log.read_text()
 
 
 def test_a_streamed_chat_reaches_the_client_through_the_direct_port(served):
-    base, _, log = served
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
-    stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hello."}],
-                                            max_tokens=12, temperature=0, stream=True)
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused")
+    messages = [{"role": "user", "content": "Say hello."}]
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
     pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
-    whole = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Say hello."}],
-                                           max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=12, temperature=0)
     assert "".join(pieces) == whole.choices[0].message.content and whole.usage.completion_tokens == 12
-    assert "kvloom is serving smollm2" in log.read_text()
+    log = served.log.read_text()
+    assert "kvloom is serving smollm2" in log and "KV blocks" in log
+    assert "report_replica_stats" not in log and "submit" not in log  # no access-log line per internal call
+
+
+def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
+    tree = [psutil.Process(served.process.pid), *psutil.Process(served.process.pid).children(recursive=True)]
+    client = openai.OpenAI(base_url=f"{served.base}/v1", api_key="unused", max_retries=0)
+    streamed = {}
+
+    def long_stream():
+        chunks = [c for c in client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=300,
+                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
+                  if c.choices]
+        streamed["text"] = "".join(c.choices[0].text for c in chunks)
+        streamed["finish"] = chunks[-1].choices[0].finish_reason
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    assert wait_for(lambda: _running(served.base) > 0, 30, period_s=0.05)
+    served.process.send_signal(signal.SIGTERM)
+    assert wait_for(lambda: _status(served.base, "/health") == 503, 10, period_s=0.05)
+    late = httpx.post(f"{served.base}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2})
+    assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+    reader.join(120)
+    assert streamed["finish"] == "length" and streamed["text"]
+    assert served.process.wait(120) == 0
+    assert wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30)
+    assert "drain" in served.log.read_text()
+
+
+def _status(base: str, path: str) -> int | None:
+    try:
+        return httpx.get(f"{base}{path}", timeout=2).status_code
+    except httpx.HTTPError:
+        return None
+
+
+def _running(base: str) -> float:
+    for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
+        if line.startswith("kvloom:num_requests_running"):
+            return float(line.split()[-1])
+    return 0.0

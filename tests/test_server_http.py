@@ -105,6 +105,7 @@ def test_models_and_health(server):
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"model": "smollm2", "prompt": "word " * 1100}, 400, "prompt"),
         ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400, "prompt"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "word " * 900, "max_tokens": 500}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function"}]}, 400, "tools"),
@@ -121,6 +122,17 @@ def test_malformed_json_is_400_and_server_keeps_serving(server, client):
     response = httpx.post(f"{server[0]}/v1/completions", content=b"{not json", timeout=30,
                           headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    assert client.completions.create(model="smollm2", prompt="ok", max_tokens=2).choices[0].finish_reason
+
+
+def test_deeply_nested_or_oversized_bodies_get_400_and_413(server, client):
+    deep = b'{"model": "smollm2", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = httpx.post(f"{server[0]}/v1/completions", content=deep, timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    huge = {"model": "smollm2", "prompt": "x" * (5 * 2**20)}  # over the 4 MiB default
+    response = httpx.post(f"{server[0]}/v1/completions", json=huge, timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
     assert client.completions.create(model="smollm2", prompt="ok", max_tokens=2).choices[0].finish_reason
 
 

@@ -31,7 +31,8 @@ TENANTS = [
 CONFIG = {
     "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 512, "max_num_seqs": 2},
     "num_replicas": 1,
-    "router": {"replica_slack": 0, "policy": "priority+fair", "priority_aging_s": None},
+    "router": {"replica_slack": 0, "policy": "priority+fair", "priority_aging_s": None,
+               "metrics_require_admin": True},
     "tenants": TENANTS,
     "admin_keys": ["sk-admin"],
 }
@@ -209,7 +210,9 @@ async def test_usage_equals_the_sum_of_usage_returned_to_clients(server):
              complete(base, "sk-dave", max_tokens=4, stop=["\n"])]
     results = await asyncio.gather(*calls)
     after = usage(base)
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    assert httpx.get(f"{base}/metrics", timeout=30).status_code == 401  # its labels name tenants
+    assert httpx.get(f"{base}/metrics", headers=auth("sk-alice"), timeout=30).status_code == 401
+    metrics = httpx.get(f"{base}/metrics", headers=auth("sk-admin"), timeout=30).text
     for tenant, key_results in (("carol", results[0::2]), ("dave", results[1::2])):
         returned = {k: sum(r.usage[k] for r in key_results) for k in ("prompt_tokens", "completion_tokens")}
         got = {k: after[tenant][k] - before[tenant][k] for k in returned}
