@@ -306,11 +306,18 @@ def environment_lines(env: dict) -> str:
 
 
 def peer_goals_section(runs: list[dict]) -> str:
-    """Issue 17's goals: W1's ratios against vLLM and llama.cpp, or the chat latencies at every rate run."""
-    from kvloom.benchmarks.goals import chat_peer_goal, goals_table, peer_goals
+    """Issue 17's goals: W1's ratios against vLLM and llama.cpp, or latencies over HTTP against `vllm serve`
+    (`chat` at every rate run, one stream at a time); other workloads have none."""
+    from kvloom.benchmarks.goals import goals_table, latency_peer_goal, peer_goals
 
-    goals = chat_peer_goal(runs) if len(runs) > 1 else None
-    return "## Against vLLM and llama.cpp\n\n" + goals_table([goals] if goals else peer_goals(runs[0]))
+    workload = runs[0]["workload"]
+    if workload == "offline-mixed":
+        goals = peer_goals(runs[0])
+    elif workload in ("chat", "single-stream"):
+        goals = [latency_peer_goal(runs, f"{workload} over HTTP vs vllm serve")]
+    else:
+        return ""
+    return "## Against vLLM and llama.cpp\n\n" + goals_table(goals)
 
 
 def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
@@ -327,6 +334,7 @@ def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
         parts.append(rate_section(runs, out_dir, stem))
     if any(r["spec"]["kind"] in EXTERNAL_KINDS for run in runs for r in run["results"]):
         parts.append(peer_goals_section(runs))
+    parts = [part for part in parts if part]
     if doc.get("machine"):
         parts.append(roofline_section(doc["machine"], runs[0], doc["roofline_system"]))
     if doc.get("sweep"):

@@ -167,6 +167,14 @@ def chat(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 48, 
     return _build("chat", corpus, rng, prompts, outputs, poisson_arrivals(rng, num_requests, rate))
 
 
+def single_stream(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 8, prompt_len: int = 256,
+                  output_len: int = 128, gap_s: float = 8.0):
+    """One request at a time: fixed lengths, arrivals `gap_s` apart (each finishes well before the next
+    arrives on every system measured here), so TTFT and TPOT are per-request overheads, not batching."""
+    return _build("single", corpus, rng, np.full(num_requests, prompt_len), np.full(num_requests, output_len),
+                  np.arange(num_requests) * gap_s)
+
+
 def long_prefill(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 40, num_long: int = 4,
                  rate: float = 0.5, long_len: tuple[int, int] = (2048, 4096), long_output: int = 32,
                  prompt_mean: float = 250, output_mean: float = 200, sigma: float = 0.8):
@@ -194,6 +202,7 @@ GENERATORS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "chat": chat,
     "long-prefill": long_prefill,
     "shared-prefix": shared_prefix,
+    "single-stream": single_stream,
 }
 
 

@@ -78,7 +78,7 @@ def test_output_comparison_reports_where_outputs_diverge():
 
 
 # ---- workloads ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["offline-mixed", "chat", "long-prefill", "shared-prefix"])
+@pytest.mark.parametrize("name", ["offline-mixed", "chat", "long-prefill", "shared-prefix", "single-stream"])
 def test_workloads_are_seeded_and_reproducible(corpus, name):
     a, b = make_workload(name, corpus, seed=3), make_workload(name, corpus, seed=3)
     assert a.requests == b.requests
@@ -94,6 +94,12 @@ def test_offline_mixed_matches_its_uniform_parameters(corpus):
     assert outputs.mean() == pytest.approx(136, rel=0.03)
     assert all(r.arrival_s == 0 for r in w.requests)
     assert len(make_workload("offline-mixed", corpus).requests) == 64
+
+
+def test_single_stream_sends_one_fixed_size_request_at_a_time(corpus):
+    w = make_workload("single-stream", corpus)
+    assert {(len(r.prompt), r.max_tokens) for r in w.requests} == {(256, 128)}
+    assert np.diff([r.arrival_s for r in w.requests]).tolist() == [8.0] * 7
 
 
 def test_chat_matches_its_lognormal_and_poisson_parameters(corpus):
