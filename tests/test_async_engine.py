@@ -24,6 +24,17 @@ async def collect(engine, prompt, params, request_id=None):
     return outputs
 
 
+async def assert_everything_freed(engine: AsyncLLMEngine) -> None:
+    """Within 2 s (aborts reach the engine at its next step), nothing runs or waits and every block is free."""
+    for _ in range(100):
+        stats = engine.stats()
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
+            break
+        await asyncio.sleep(0.02)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_free_blocks == stats.num_blocks
+
+
 async def test_concurrent_streams_match_offline_engine(async_engine, tiny_model_dir):
     prompts = [[5, 6, 7], list(range(10, 60)), [300] * 20]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -58,13 +69,7 @@ async def test_cancelled_stream_aborts_and_frees_blocks(async_engine):
     await stream.__anext__()
     await stream.__anext__()
     await stream.aclose()
-    for _ in range(100):
-        stats = async_engine.stats()
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
-            break
-        await asyncio.sleep(0.02)
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.num_free_blocks == stats.num_blocks
+    await assert_everything_freed(async_engine)
 
 
 async def test_bad_request_fails_alone_and_engine_keeps_serving(async_engine):
@@ -101,13 +106,7 @@ async def test_closing_output_batches_aborts_their_requests_and_frees_blocks(asy
         batches.add(async_engine.engine.make_request(f"closed-{i}", list(range(3, 30)), params))
     await batches.next_batch()
     batches.close()
-    for _ in range(100):
-        stats = async_engine.stats()
-        if stats.num_running == 0 and stats.num_free_blocks == stats.num_blocks:
-            break
-        await asyncio.sleep(0.02)
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert stats.num_free_blocks == stats.num_blocks
+    await assert_everything_freed(async_engine)
 
 
 async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engine):
