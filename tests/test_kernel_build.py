@@ -1,0 +1,46 @@
+"""The C++ CPU kernels build once per content, not per checkout, and a builder killed mid-build leaves
+nothing that makes the next one wait: builders serialize on an flock that dies with its holder."""
+
+import fcntl
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from kvloom.kernels import cpu_extensions
+
+NAME = "kvloom_cpu_decode"
+
+
+def test_the_build_folder_follows_the_sources_content_not_their_path(tmp_path, monkeypatch):
+    here = cpu_extensions.build_dir_for(NAME)
+    checkout = tmp_path / "other-checkout"
+    shutil.copytree(cpu_extensions.HERE, checkout, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cpu_extensions, "HERE", checkout)
+    assert cpu_extensions.build_dir_for(NAME) == here
+    (checkout / "cpu_math.h").write_text((checkout / "cpu_math.h").read_text() + "\n// changed\n")
+    assert cpu_extensions.build_dir_for(NAME) != here
+
+
+def test_a_killed_builders_torch_lock_does_not_block_the_next_build():
+    build_dir = cpu_extensions.build_dir_for(NAME)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").write_text("")  # what torch's loader leaves when its process is killed mid-build
+    assert cpu_extensions.build_extension.__wrapped__(NAME) is not None
+    assert not (build_dir / "lock").exists()
+
+
+def test_a_builder_waits_for_another_and_says_so():
+    build_dir = cpu_extensions.build_dir_for(NAME)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / "kvloom.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        builder = subprocess.Popen([sys.executable, "-m", "kvloom.kernels.cpu_extensions"], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        with pytest.raises(subprocess.TimeoutExpired):
+            builder.wait(5)  # held by "another process": this test
+        fcntl.flock(held, fcntl.LOCK_UN)
+        output, _ = builder.communicate(timeout=120)
+    assert builder.returncode == 0 and "waiting for another process building the CPU kernel" in output
+    assert f"{NAME} ready" in output
