@@ -32,10 +32,10 @@ MULTI_TENANT = "multi-tenant"
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml"
 
 
-def _connect(address: str | None, log_to_driver: bool = True) -> None:
+def _connect(address: str | None) -> None:
     import ray
 
-    ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=log_to_driver)
+    ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -49,7 +49,7 @@ def _status(args: argparse.Namespace) -> int:
 
     from kvloom.cluster.app import ROUTER_NAME
 
-    _connect(args.address, log_to_driver=False)
+    _connect(args.address)
     replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
     print(f"{len(replicas)} replica(s)")
     header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'threads':>7} {'running':>7} {'waiting':>7} "

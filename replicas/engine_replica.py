@@ -173,9 +173,9 @@ class EngineReplica:
         return self.channels[channel]
 
     async def abort(self, request_id: str, target_replica: str | None = None) -> None:
+        """The router gave up on a request it submitted: its channel aborts it (if it still runs)."""
         for batches in self.channels.values():
             batches.forget(request_id)
-        self.engine.abort(request_id)
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""

@@ -12,11 +12,8 @@ with `ReplicaGone` (or Ray's own error), which the dispatcher treats like a repl
 """
 
 import asyncio
-import logging
 import uuid
 from collections.abc import AsyncIterator
-
-logger = logging.getLogger(__name__)
 
 
 class ReplicaGone(RuntimeError):

@@ -58,6 +58,12 @@ class TenancySettings(PolicyConfig):
 api = FastAPI(title="kvloom", description="OpenAI-compatible LLM serving")
 
 
+def _draining() -> APIError:
+    """What every request and /health gets from SIGTERM / Ctrl-C on (a fresh error each time: a raised
+    instance keeps its traceback)."""
+    return APIError(503, "the server is shutting down", code="draining")
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -141,7 +147,7 @@ class Router:
 
     async def _parse(self, request: Request, schema):
         if self.draining:
-            raise APIError(503, "the server is shutting down", code="draining")
+            raise _draining()
         raw = await self._body(request)
         try:
             body = json.loads(raw)
@@ -202,7 +208,7 @@ class Router:
         """200 while a replica is ready; a quiet 503 (a load balancer polls this) while none is, or draining."""
         live = self.table.live()
         if self.draining:
-            return APIError(503, "the server is shutting down", code="draining").response()
+            return _draining().response()
         if not live:
             return APIError(503, "no engine replica is ready yet", code="no_replicas").response()
         return {"status": "ok", "replicas": len(live)}
