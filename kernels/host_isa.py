@@ -10,6 +10,7 @@ a CPU without either, bfloat16 GEMMs are emulated and slower than float32.
 import functools
 import hashlib
 import platform
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +52,17 @@ class HostISA:
         with SIGILL on an AVX2 one, and a home directory (hence a build cache) may be shared."""
         digest = hashlib.sha1(" ".join(sorted(self.flags)).encode()).hexdigest()[:8]
         return f"{platform.machine()}-{digest}"
+
+    @property
+    def report_key(self) -> str:
+        """A readable name for this kind of host, for benchmark results kept side by side per host:
+        the model's first two words and its fastest matrix unit (`intel-xeon-amx`, `amd-epyc-avx512bf16`)."""
+        words = re.sub(r"\((R|TM)\)", "", self.model_name).lower().split()[:2]
+        unit = next((tag for tag, present in (
+            ("amx", self.amx_bf16), ("avx512bf16", self.avx512_bf16), ("avx512", "avx512f" in self.flags),
+            ("avx2", "avx2" in self.flags), ("sve", "sve" in self.flags), ("neon", "asimd" in self.flags),
+        ) if present), "generic")
+        return "-".join([*(re.sub(r"[^a-z0-9]", "", w) for w in words), unit])
 
     def describe(self) -> str:
         """One line for logs and reports: the CPU and the flags that decide kvloom's fast paths."""

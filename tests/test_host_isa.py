@@ -48,6 +48,13 @@ def test_build_cache_key_differs_between_instruction_sets():
     assert len(keys) == 3
 
 
+def test_report_key_names_the_cpu_and_its_fastest_matrix_unit():
+    assert HostISA.parse(cpuinfo(XEON_AMX, model="Intel(R) Xeon(R) Processor")).report_key == "intel-xeon-amx"
+    assert HostISA.parse(cpuinfo(XEON_AVX512_BF16, model="AMD EPYC 9R14")).report_key == "amd-epyc-avx512bf16"
+    assert HostISA.parse(cpuinfo(EPYC_ZEN3, model="AMD EPYC")).report_key == "amd-epyc-avx2"
+    assert HostISA.parse(cpuinfo("", model="Some CPU")).report_key == "some-cpu-generic"
+
+
 def test_engine_dtype_auto_asks_the_detection_and_says_so(caplog):
     caplog.set_level(logging.INFO, logger="kvloom.engine.llm_engine")
     cpu = torch.device("cpu")
