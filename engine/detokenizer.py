@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; returns the stop string if one now appears in the text."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one token; returns the stop string if one now appears in the text (and `check_stop`:
+        min_tokens lets stop strings count only from then on, as vLLM does)."""
         self._tokens.append(token_id)
         prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
         full = self._decode(self._tokens[self._prefix_offset :])
@@ -39,7 +40,7 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._tokens)
         search_from = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += delta
-        for stop in self.stop:
+        for stop in self.stop if check_stop else ():
             at = self.text.find(stop, search_from)
             if at >= 0:
                 self.text = self.text[:at]

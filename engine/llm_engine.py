@@ -17,6 +17,7 @@ from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.model_loader import load_model
+from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.runner import ModelRunner
@@ -205,13 +206,19 @@ class LLMEngine:
                 f"is {params.max_tokens}, but max_model_len is {self.max_model_len} and the prompt takes "
                 f"{len(token_ids)} tokens of it: at most {room} can be generated",
             )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError("prompt", f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+        self._check_vocabulary("prompt", token_ids)
+        self._check_vocabulary("logit_bias", params.logit_bias)
+        self._check_vocabulary("stop_token_ids", params.stop_token_ids)
         return Request(
             request_id, token_ids, params, priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
+            logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
         )
+
+    def _check_vocabulary(self, field: str, token_ids) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(field, f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
 
     def add_request(
         self,
@@ -298,7 +305,7 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
-            stop = detok.add_token(token_id)
+            stop = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
             if stop is not None:
                 request.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED

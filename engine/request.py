@@ -4,6 +4,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.sampling import SamplingParams
 
 
@@ -33,6 +34,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     prompt: str | None = None
     park_kv: bool = False  # disaggregated prefill: keep the blocks after finishing, for a KV hand-off
+    logits_adjuster: LogitsAdjuster | None = None  # penalties, logit_bias, min_tokens: None when none asked
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens

@@ -39,15 +39,20 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
     """`logits` is [len(requests), vocab] in the model's dtype; one generator per request keeps seeded
     runs reproducible. Greedy rows read the logits as they are (no widened copy of the batch's); a
-    sampled row, or one asking for logprobs, is widened to float32 alone."""
+    sampled row, or one with penalties, logit_bias or min_tokens, is widened to float32 alone."""
     tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and 2.5x faster on CPU
     for row, request in enumerate(requests):
-        params = request.sampling_params
-        if params.greedy:
+        params, adjuster = request.sampling_params, request.logits_adjuster
+        if params.greedy and adjuster is None:
             continue
-        row_logits = _filter_top_k_top_p(logits[row].float() / params.temperature, params.top_k, params.top_p)
-        probs = row_logits.softmax(-1)
-        tokens[row] = _draw(probs, generators[row])
+        row_logits = logits[row].float()
+        if adjuster is not None:  # on a copy: float32 logits' .float() is the batch's own row
+            row_logits = adjuster.apply(row_logits.clone(), request.token_ids, request.num_prompt_tokens)
+        if params.greedy:
+            tokens[row] = int(row_logits.argmax())
+            continue
+        row_logits = _filter_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
+        tokens[row] = _draw(row_logits.softmax(-1), generators[row])
     wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
     if not any(wants_logprobs):
         return [SampledToken(t, None) for t in tokens]

@@ -1,6 +1,6 @@
 """SamplingParams: what a caller may ask of one request, validated so bad input fails early."""
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class SamplingParams(BaseModel):
@@ -14,6 +14,11 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, description="no EOS or stop token/string before this many tokens")
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0, description="1 disables it")
+    logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> value in [-100, 100]")
     n: int = Field(1, ge=1, le=1)
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
     detokenize: bool = True
@@ -30,6 +35,22 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, value: dict[int, float]) -> dict[int, float]:
+        for token, bias in value.items():
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} for token {token} is outside [-100, 100]")
+        return value
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _min_tokens_within_max(cls, value: int, info: ValidationInfo) -> int:
+        max_tokens = info.data.get("max_tokens")
+        if max_tokens is not None and value > max_tokens:
+            raise ValueError(f"must not exceed max_tokens ({max_tokens})")
         return value
 
     @property

@@ -1,19 +1,53 @@
-"""OpenAI-compatible request bodies. Unknown fields and unsupported values are rejected by name.
+"""OpenAI-compatible request bodies, with vLLM's extensions (top_k, min_tokens, repetition_penalty, ...).
 
-A field we do not implement but that would change the output (n > 1, penalties, logit_bias,
-tools, ...) is a 400 naming the field, never silently ignored.
+Fields kvloom does not know follow vLLM: one that would change the output (see REFUSED_FIELDS, and
+unsupported values of known ones) is a 400 naming the field, never silently ignored; any other
+(client bookkeeping such as `metadata` or `store`, another server's extension) is accepted, and the
+router logs its name once.
 """
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvloom.engine.sampling import SamplingParams
 
+# Fields of OpenAI's or vLLM's API that change what is generated and that kvloom does not implement.
+REFUSED_FIELDS = {
+    "functions": "function calling is not supported", "function_call": "function calling is not supported",
+    "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
+    "guided_json": "structured outputs are not supported yet", "guided_regex": "structured outputs are not supported yet",
+    "guided_choice": "structured outputs are not supported yet", "guided_grammar": "structured outputs are not supported yet",
+    "structured_outputs": "structured outputs are not supported yet", "prompt_logprobs": "prompt logprobs are not supported",
+    "include_stop_str_in_output": "not supported", "bad_words": "not supported", "allowed_token_ids": "not supported",
+    "truncate_prompt_tokens": "not supported", "skip_special_tokens": "not supported",
+    "audio": "audio output is not supported", "modalities": "only text output is supported",
+}
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions request: beyond, send several requests
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept in `model_extra`, for the refuse-or-log decision above."""
+    model_config = ConfigDict(extra="allow")
+
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        return [prefix + name for name in (self.model_extra or {})]
+
+    def check_supported(self) -> None:
+        refused = next((f for f in self.model_extra or {} if f in REFUSED_FIELDS), None)
+        if refused is not None:
+            raise UnsupportedFieldError(refused, REFUSED_FIELDS[refused])
+
+    def ignored_fields(self) -> list[str]:
+        """Unknown fields that were accepted (the router logs each name once)."""
+        return self.unknown_fields()
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk (guidellm asks for it)
 
 
 class UnsupportedFieldError(ValueError):
@@ -22,9 +56,7 @@ class UnsupportedFieldError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class _Common(_Lenient):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -37,34 +69,51 @@ class _Common(BaseModel):
     stop_token_ids: list[int] | None = None
     seed: int | None = None
     ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys (strings)
     user: str | None = None
     priority: int | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _token_ids_as_keys(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            bad = [k for k in value if not str(k).lstrip("-").isdigit()]
+            if bad:
+                raise ValueError(f"keys must be token ids, got {bad[0]!r}")
+            return {int(k): v for k, v in value.items()}
+        return value
+
     def check_supported(self) -> None:
+        super().check_supported()
         if self.n != 1:
             raise UnsupportedFieldError("n", "only n=1 is supported")
-        if self.presence_penalty:
-            raise UnsupportedFieldError("presence_penalty", "penalties are not supported")
-        if self.frequency_penalty:
-            raise UnsupportedFieldError("frequency_penalty", "penalties are not supported")
-        if self.logit_bias:
-            raise UnsupportedFieldError("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "only allowed with stream: true")
+
+    def ignored_fields(self) -> list[str]:
+        nested = self.stream_options.unknown_fields("stream_options.") if self.stream_options else []
+        return self.unknown_fields() + nested
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},
         )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Common):
@@ -76,27 +125,32 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise UnsupportedFieldError("echo", "echo is not supported")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedFieldError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
         if self.best_of not in (None, 1):
             raise UnsupportedFieldError("best_of", "only best_of=1 is supported")
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported")
+        self.prompts()
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """One or several prompts (OpenAI: a string, token ids, or a list of either); each is a choice."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise UnsupportedFieldError("prompt", "send one prompt per request (batches are not supported)")
-            prompt = prompt[0]
-        return prompt
+            if len(prompt) > MAX_PROMPTS:
+                raise UnsupportedFieldError("prompt", f"at most {MAX_PROMPTS} prompts per request")
+            return prompt
+        return [prompt]
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid")  # a message's unknown field could be content: refused
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
     name: str | None = None
+
+    def as_template_entry(self) -> dict:
+        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -133,6 +187,35 @@ class ChatCompletionRequest(_Common):
             raise UnsupportedFieldError("tool_choice", "tool calling is not supported")
         if self.response_format and self.response_format.get("type") != "text":
             raise UnsupportedFieldError("response_format", "only type 'text' is supported")
+        self.conversation()
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return [m.as_template_entry() for m in self.messages]
+
+
+class TokenizeRequest(_Lenient):
+    """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        self.conversation()
+
+    def conversation(self) -> list[dict]:
+        return [m.as_template_entry() for m in self.messages or ()]
+
+
+class DetokenizeRequest(_Lenient):
+    model: str | None = None
+    tokens: list[int]

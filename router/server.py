@@ -10,12 +10,13 @@ quota buckets, VTC counters and queued requests carry over.
 """
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
@@ -27,10 +28,14 @@ from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
-from kvloom.router.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
+from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                    UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
+from kvloom.router.responses import Choice, LogprobsFormat, close, collect_response, joined, stream_response
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
 from kvloom.router.vtc import VirtualCounters
+
+logger = logging.getLogger(__name__)
 
 
 class RouterSettings(BaseModel):
@@ -64,10 +69,6 @@ def _draining() -> APIError:
     return APIError(503, "the server is shutting down", code="draining")
 
 
-def _sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
-
-
 @serve.ingress(api)
 class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
@@ -87,6 +88,7 @@ class Router:
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries)
         self.created = int(time.time())
         self.draining = False
+        self.ignored_fields: set[str] = set()  # unknown request fields already logged
         self._apply(TenancySettings())
 
     # ---- reloadable settings ----------------------------------------------------------------
@@ -166,7 +168,11 @@ class Router:
             raise APIError(400, str(exc), exc.field, "unsupported_field") from exc
         except RecursionError as exc:
             raise APIError(400, "request body is nested too deeply", None, "invalid_json") from exc
-        self._check_model(parsed.model)
+        if parsed.model is not None:
+            self._check_model(parsed.model)
+        for name in set(parsed.ignored_fields()) - self.ignored_fields:
+            self.ignored_fields.add(name)
+            logger.warning("accepting and ignoring the unknown request field %r (it changes no output; said once)", name)
         return parsed
 
     def _tenant(self, request: Request) -> Tenant:
@@ -181,7 +187,7 @@ class Router:
             max_tokens = max(1, min(wanted, room) if room > 0 else wanted)
         priority = tenant.effective_priority(body.priority)
         try:
-            sampling = body.sampling_params(max_tokens or 1, logprobs).model_dump()
+            sampling = body.sampling_params(max_tokens or max(1, body.min_tokens), logprobs).model_dump()
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
         if max_tokens is None:
@@ -201,6 +207,21 @@ class Router:
             await stream.aclose()
             raise APIError(400, first["error"]["message"], first["error"].get("param"), "invalid_value")
         return first, stream
+
+    async def _start_all(self, jobs: list[Job]) -> list[Choice]:
+        """Start the jobs of one HTTP request (several prompts) one after the other: Serve's request router
+        indexes pending handle calls by the parent HTTP request's id, so concurrent calls from one request
+        overwrite each other there and one is never assigned (a hang, seen with Ray 2.60). The engine
+        still batches them: a prompt waits only for the one before it to reach its first token. If one
+        fails, the ones started are closed."""
+        choices: list[Choice] = []
+        try:
+            for index, job in enumerate(jobs):
+                choices.append(Choice(index, *await self._start(job)))
+        except BaseException:
+            await close(choices)
+            raise
+        return choices
 
     # ---- endpoints --------------------------------------------------------------------------
     @api.get("/health")
@@ -243,30 +264,39 @@ class Router:
             self._tenant(request)
         except APIError as exc:
             return exc.response()
-        return {"object": "list", "data": [{"id": self.settings.served_model_name, "object": "model",
-                                             "created": self.created, "owned_by": "kvloom"}]}
+        return {"object": "list", "data": [{
+            "id": self.settings.served_model_name, "object": "model", "created": self.created, "owned_by": "kvloom",
+            "root": self.settings.model, "parent": None, "max_model_len": self.table.max_model_len() or None}]}
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         try:
             tenant = self._tenant(request)
             body: CompletionRequest = await self._parse(request, CompletionRequest)
-            prompt = body.single_prompt()
-            token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            job = self._job(tenant, body, token_ids, body.max_tokens or 16, body.logprobs)
-            first, stream = await self._start(job)
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+            choices = await self._start_all(
+                [self._job(tenant, body, ids, body.max_tokens or 16, body.logprobs) for ids in prompts])
         except APIError as exc:
             return exc.response()
-        head = {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": int(time.time()),
+        if body.echo:
+            for choice, prompt, ids in zip(choices, body.prompts(), prompts):
+                choice.prefix = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        logprobs = LogprobsFormat(self.tokenizer, body.logprobs) if body.logprobs is not None else None
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model}
 
-        def choice(chunk: dict) -> dict:
-            return {"index": 0, "text": chunk["text"], "logprobs": None, "finish_reason": chunk["finish_reason"]}
+        def completion_choice(choice: Choice, text: str, token_ids: list[int], token_logprobs, reason) -> dict:
+            offset = choice.sent_chars
+            choice.sent_chars += len(text)
+            return {"index": choice.index, "text": text, "finish_reason": reason,
+                    "logprobs": logprobs.completion(token_ids, token_logprobs, offset) if logprobs else None}
 
         if body.stream:
-            return self._sse_response(head, first, stream, choice, body.include_usage)
-        return await self._collect(head, first, stream, lambda text, reason: {
-            "index": 0, "text": text, "logprobs": None, "finish_reason": reason})
+            return stream_response(head, choices, lambda choice, chunk: completion_choice(
+                choice, (choice.prefix if chunk is choice.first else "") + chunk["text"], chunk["token_ids"],
+                chunk["logprobs"], chunk["finish_reason"]), body.include_usage, body.continuous_usage)
+        return await collect_response(head, choices, lambda choice, chunks: completion_choice(
+            choice, choice.prefix + "".join(c["text"] for c in chunks), *joined(chunks)))
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
@@ -275,66 +305,58 @@ class Router:
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             token_ids = list(self.tokenizer.apply_chat_template(
                 body.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False))
-            logprobs = (body.top_logprobs or 0) if body.logprobs else None
-            job = self._job(tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, logprobs)
-            first, stream = await self._start(job)
+            top_n = (body.top_logprobs or 0) if body.logprobs else None
+            choices = await self._start_all(
+                [self._job(tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n)])
         except APIError as exc:
             return exc.response()
-        except UnsupportedFieldError as exc:
-            return APIError(400, str(exc), exc.field, "unsupported_field").response()
-        head = {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion.chunk",
+        logprobs = LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model}
-        sent_role = False
 
-        def choice(chunk: dict) -> dict:
-            nonlocal sent_role
+        def delta_choice(choice: Choice, chunk: dict) -> dict:
             delta = {"content": chunk["text"]} if chunk["text"] or not chunk["finish_reason"] else {}
-            if not sent_role:
-                delta["role"], sent_role = "assistant", True
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": chunk["finish_reason"]}
+            if chunk is choice.first:
+                delta["role"] = "assistant"
+            return {"index": choice.index, "delta": delta, "finish_reason": chunk["finish_reason"],
+                    "logprobs": logprobs.chat(chunk["token_ids"], chunk["logprobs"]) if logprobs else None}
+
+        def message_choice(choice: Choice, chunks: list[dict]) -> dict:
+            token_ids, token_logprobs, reason = joined(chunks)
+            return {"index": choice.index, "finish_reason": reason,
+                    "message": {"role": "assistant", "content": "".join(c["text"] for c in chunks)},
+                    "logprobs": logprobs.chat(token_ids, token_logprobs) if logprobs else None}
 
         if body.stream:
-            return self._sse_response(head, first, stream, choice, body.include_usage)
-        head["object"] = "chat.completion"
-        return await self._collect(head, first, stream, lambda text, reason: {
-            "index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-            "finish_reason": reason})
+            return stream_response(head, choices, delta_choice, body.include_usage, body.continuous_usage)
+        return await collect_response({**head, "object": "chat.completion"}, choices, message_choice)
 
-    # ---- response shapes --------------------------------------------------------------------
-    @staticmethod
-    def _usage(chunk: dict) -> dict:
-        return {"prompt_tokens": chunk["prompt_tokens"], "completion_tokens": chunk["completion_tokens"],
-                "total_tokens": chunk["prompt_tokens"] + chunk["completion_tokens"],
-                "prompt_tokens_details": {"cached_tokens": chunk["cached_tokens"]}}
-
-    async def _collect(self, head: dict, first: dict, stream: AsyncIterator[dict], make_choice) -> JSONResponse:
-        chunks = [first]
+    # ---- vLLM's token endpoints ---------------------------------------------------------------
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request):
         try:
-            async for chunk in stream:
-                chunks.append(chunk)
+            self._tenant(request)
+            body: TokenizeRequest = await self._parse(request, TokenizeRequest)
         except APIError as exc:
             return exc.response()
-        last = chunks[-1]
-        text = "".join(c["text"] for c in chunks)
-        return JSONResponse({**head, "choices": [make_choice(text, last["finish_reason"])],
-                             "usage": self._usage(last)})
+        if body.messages is not None:
+            tokens = list(self.tokenizer.apply_chat_template(
+                body.conversation(), add_generation_prompt=body.add_generation_prompt, tokenize=True,
+                return_dict=False))
+        else:
+            tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": self.table.max_model_len() or None, "tokens": tokens,
+                "token_strs": self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
 
-    def _sse_response(self, head: dict, first: dict, stream: AsyncIterator[dict], make_choice,
-                      include_usage: bool) -> StreamingResponse:
-        async def events() -> AsyncIterator[str]:
-            last = first
-            try:
-                yield _sse({**head, "choices": [make_choice(first)]})
-                async for chunk in stream:
-                    last = chunk
-                    yield _sse({**head, "choices": [make_choice(chunk)]})
-            except APIError as exc:
-                yield _sse(exc.body())
-            else:
-                if include_usage:
-                    yield _sse({**head, "choices": [], "usage": self._usage(last)})
-            finally:
-                await stream.aclose()
-            yield _sse("[DONE]")
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request):
+        try:
+            self._tenant(request)
+            body: DetokenizeRequest = await self._parse(request, DetokenizeRequest)
+            bad = [t for t in body.tokens if not 0 <= t < len(self.tokenizer)]
+            if bad:
+                raise APIError(400, f"tokens: token id {bad[0]} outside the vocabulary", "tokens", "invalid_value")
+        except APIError as exc:
+            return exc.response()
+        return {"prompt": self.tokenizer.decode(body.tokens)}
 
-        return StreamingResponse(events(), media_type="text/event-stream")

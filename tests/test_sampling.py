@@ -2,8 +2,8 @@
 
 Sampling is per request: a seeded request draws from its own generator, so it gets the same
 tokens alone or batched with any neighbours in any order. top_k=1, a tiny top_p and temperature 0
-all reduce to greedy. logprobs are the model's log-softmax (raw logits, before temperature), the
-chosen token first. Stops end a request with finish_reason "stop" and say why in stop_reason. On
+all reduce to greedy. Penalties, logit_bias and min_tokens follow their OpenAI and vLLM definitions.
+logprobs are the model's log-softmax (raw logits, before temperature), the chosen token first. Stops end a request with finish_reason "stop" and say why in stop_reason. On
 the real SmolLM2 model, stop strings are cut from the text and the streamed deltas never show a
 character that the final text does not keep.
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
@@ -343,3 +344,129 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(smol, smol_plain):
     assert neighbour.token_ids == finished["p1"].outputs[0].token_ids[:6]
     assert neighbour.text == decode(smol, neighbour.token_ids)
     assert_stream_is_consistent(streams["n"], neighbour.text)
+
+
+# ---- penalties, logit_bias, min_tokens ---------------------------------------------------------
+# They change a request's own logits before its token is chosen, as OpenAI (presence/frequency
+# penalty, logit_bias) and vLLM (repetition_penalty, min_tokens) define them: checked against references
+# written here from those definitions on transformers' float32 logits (where kvloom's float32 engine is
+# token-identical), and against transformers' own processor where it has one. A neighbour in the same
+# batch that asks for none of them gets exactly its plain greedy tokens.
+
+@torch.inference_mode()
+def reference_greedy(hf, prompt: list[int], adjust, steps: int = NEW) -> list[int]:
+    """Greedy decoding where `adjust(logits, output_so_far)` edits each step's float32 logits."""
+    ids, output = list(prompt), []
+    for _ in range(steps):
+        logits = hf(torch.tensor([ids])).logits[0, -1].clone()
+        token = int(adjust(logits, output).argmax())
+        ids.append(token)
+        output.append(token)
+    return output
+
+
+def engine_tokens(model_dir, prompt: list[int], **knobs) -> tuple[list[int], list[int]]:
+    """The request's tokens, and those of a plain greedy neighbour run in the same batch."""
+    params = GREEDY.model_copy(update=knobs)
+    finished, _ = run(tiny_engine(model_dir), {"x": (prompt, params), "b": (PROMPTS["b"], GREEDY)})
+    return finished["x"].outputs[0].token_ids, finished["b"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 0.8), (0.7, 0.6), (-1.0, 0.0)])
+def test_presence_and_frequency_penalties_follow_openai_definition(tiny_model_dir, hf_tiny, greedy_tokens,
+                                                                     presence, frequency):
+    def openai(logits, output):  # mu[j] - c[j] * frequency - (c[j] > 0) * presence
+        for token in set(output):
+            logits[token] -= output.count(token) * frequency + presence
+        return logits
+
+    got, neighbour = engine_tokens(tiny_model_dir, PROMPTS["d"], presence_penalty=presence,
+                                   frequency_penalty=frequency)
+    assert got == reference_greedy(hf_tiny, PROMPTS["d"], openai)
+    assert neighbour == greedy_tokens["b"]
+
+
+def test_a_positive_presence_penalty_changes_a_repetitive_output(tiny_model_dir, greedy_tokens):
+    repeats = max(PROMPTS, key=lambda rid: len(greedy_tokens[rid]) - len(set(greedy_tokens[rid])))
+    assert len(set(greedy_tokens[repeats])) < NEW, "the tiny model repeats itself somewhere"
+    got, _ = engine_tokens(tiny_model_dir, PROMPTS[repeats], presence_penalty=2.0)
+    assert len(set(got)) > len(set(greedy_tokens[repeats]))
+
+
+@pytest.mark.parametrize("penalty", [2.0, 0.7])
+def test_repetition_penalty_matches_transformers(tiny_model_dir, hf_tiny, greedy_tokens, penalty):
+    prompt = PROMPTS["d"]
+    with torch.inference_mode():
+        want = hf_tiny.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, repetition_penalty=penalty,
+                                eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got, _ = engine_tokens(tiny_model_dir, prompt, repetition_penalty=penalty)
+    assert got == want
+    assert got != greedy_tokens["d"]
+
+
+def test_logit_bias_forces_or_forbids_tokens(tiny_model_dir, greedy_tokens):
+    forced, neighbour = engine_tokens(tiny_model_dir, PROMPTS["a"], logit_bias={123: 100.0})
+    assert forced == [123] * NEW
+    assert neighbour == greedy_tokens["b"]
+
+    banned = set(greedy_tokens["a"])
+    got, _ = engine_tokens(tiny_model_dir, PROMPTS["a"], logit_bias={t: -100.0 for t in banned})
+    assert not banned & set(got)
+
+
+def test_small_logit_bias_matches_reference(tiny_model_dir, hf_tiny):
+    bias = {token: 2.5 for token in (11, 300, 500)} | {7: -3.0}
+
+    def biased(logits, output):
+        for token, value in bias.items():
+            logits[token] += value
+        return logits
+
+    got, _ = engine_tokens(tiny_model_dir, PROMPTS["c"], logit_bias=bias)
+    assert got == reference_greedy(hf_tiny, PROMPTS["c"], biased)
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens(eos_model, hf_tiny, greedy_tokens):
+    model_dir, eos_id, index = eos_model
+    stops_early = GREEDY.model_copy(update={"ignore_eos": False})
+    finished, _ = run(tiny_engine(model_dir), {"x": (PROMPTS["a"], stops_early)})
+    assert finished["x"].outputs[0].token_ids == greedy_tokens["a"][: index + 1]
+
+    min_tokens = index + 4
+    stop_id = 300
+
+    def banned_until_min(logits, output):
+        if len(output) < min_tokens:
+            logits[[2, eos_id, stop_id]] = float("-inf")
+        return logits
+
+    want = reference_greedy(hf_tiny, PROMPTS["a"], banned_until_min)
+    ends = [i for i, t in enumerate(want) if t in (2, eos_id, stop_id)]
+    want = want[: ends[0] + 1] if ends else want
+    params = stops_early.model_copy(update={"min_tokens": min_tokens, "stop_token_ids": [stop_id]})
+    finished, _ = run(tiny_engine(model_dir), {"x": (PROMPTS["a"], params)})
+    out = finished["x"].outputs[0]
+    assert out.token_ids == want
+    assert len(out.token_ids) > min_tokens or out.finish_reason == "length"
+    assert not {2, eos_id, stop_id} & set(out.token_ids[:min_tokens])
+
+
+def test_sampled_request_with_penalties_is_reproducible_by_seed(tiny_model_dir):
+    params = SamplingParams(max_tokens=NEW, temperature=1.0, seed=42, ignore_eos=True, presence_penalty=0.5,
+                            frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={5: 1.0})
+    runs = [run(tiny_engine(tiny_model_dir), {"x": (PROMPTS["a"], params)} | neighbours)[0]["x"].outputs[0].token_ids
+            for neighbours in ({}, {"b": (PROMPTS["b"], GREEDY), "c": (PROMPTS["c"], params)})]
+    assert runs[0] == runs[1]
+
+
+def test_bad_values_are_refused_by_name(tiny_model_dir):
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=2.5)
+    with pytest.raises(ValueError, match="outside"):
+        SamplingParams(logit_bias={5: 150.0})
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    engine = tiny_engine(tiny_model_dir)
+    with pytest.raises(InvalidRequestError) as error:
+        engine.make_request("x", PROMPTS["a"], SamplingParams(logit_bias={10**6: 1.0}))
+    assert error.value.field == "logit_bias"

@@ -1,0 +1,151 @@
+"""OpenAI response bodies from the replicas' chunks: whole, or as server-sent events, for one choice or
+several (one per prompt of a /v1/completions request), with logprobs, and usage at the end or, with
+vLLM's `continuous_usage_stats`, in every chunk.
+
+A chunk is what a replica sends per step for one request: `text` and `token_ids` new since the last,
+their `logprobs` (per token a {token id: logprob} map, the chosen token first, then the top
+alternatives), `finish_reason`, and the usage counts so far.
+"""
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from kvloom.router.errors import APIError
+
+
+@dataclass
+class Choice:
+    """One generation on its way: its first chunk (already received) and the rest of its stream."""
+    index: int
+    first: dict
+    stream: AsyncIterator[dict]
+    prefix: str = ""  # `echo`: the prompt's text, sent before the generated text
+    sent_chars: int = 0  # text already sent (completions' logprobs count text offsets from it)
+    chunks: list[dict] = field(default_factory=list)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def usage(chunks: list[dict]) -> dict:
+    """Usage over the choices' latest chunks (each carries its request's counts so far)."""
+    prompt = sum(c["prompt_tokens"] for c in chunks)
+    completion = sum(c["completion_tokens"] for c in chunks)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in chunks)}}
+
+
+def joined(chunks: list[dict]) -> tuple[list[int], list[dict], str | None]:
+    """A whole choice from its chunks: token ids, logprobs (empty unless asked) and finish reason."""
+    token_ids = [t for c in chunks for t in c["token_ids"]]
+    token_logprobs = [lp for c in chunks for lp in c["logprobs"] or ()]
+    return token_ids, token_logprobs, chunks[-1]["finish_reason"]
+
+
+class LogprobsFormat:
+    """Per-token logprobs in the two shapes OpenAI uses: chat's `content` list and completions' columns."""
+
+    def __init__(self, tokenizer, top_n: int) -> None:
+        self.tokenizer = tokenizer
+        self.top_n = top_n
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _top(self, alternatives: dict) -> list[tuple[int, float]]:
+        # the chosen token leads the map; if it is not among the top n, it is the smallest entry
+        return sorted(((int(t), v) for t, v in alternatives.items()), key=lambda tv: -tv[1])[: self.top_n]
+
+    def chat(self, token_ids: list[int], logprobs: list[dict]) -> dict:
+        def entry(token_id: int, value: float) -> dict:
+            text = self._text(token_id)
+            return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+        return {"content": [
+            {**entry(t, float(next(iter(alternatives.values())))),
+             "top_logprobs": [entry(a, v) for a, v in self._top(alternatives)]}
+            for t, alternatives in zip(token_ids, logprobs)]}
+
+    def completion(self, token_ids: list[int], logprobs: list[dict], offset: int) -> dict:
+        tokens = [self._text(t) for t in token_ids]
+        offsets = []
+        for text in tokens:
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [float(next(iter(a.values()))) for a in logprobs],
+                "top_logprobs": [{self._text(t): v for t, v in self._top(a)} for a in logprobs],
+                "text_offset": offsets}
+
+
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
+    """Every choice's chunks as they come (the first ones first); one choice is read directly."""
+    for choice in choices:
+        yield choice, choice.first
+    if len(choices) == 1:
+        async for chunk in choices[0].stream:
+            yield choices[0], chunk
+        return
+    pending = {asyncio.ensure_future(anext(c.stream)): c for c in choices if c.first["finish_reason"] is None}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                choice = pending.pop(task)
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield choice, chunk
+                pending[asyncio.ensure_future(anext(choice.stream))] = choice
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)  # settled, so the streams can be closed
+
+
+async def close(choices: list[Choice]) -> None:
+    for choice in choices:
+        await choice.stream.aclose()
+
+
+def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, dict], dict],
+                    include_usage: bool, continuous_usage: bool) -> StreamingResponse:
+    """Server-sent events: one event per chunk of any choice, an error event if a stream fails midway."""
+    async def events() -> AsyncIterator[str]:
+        latest = {c.index: c.first for c in choices}
+        try:
+            async for choice, chunk in merged(choices):
+                latest[choice.index] = chunk
+                event = {**head, "choices": [make_choice(choice, chunk)]}
+                if continuous_usage:
+                    event["usage"] = usage([chunk])
+                yield _sse(event)
+        except APIError as exc:
+            yield _sse(exc.body())
+        else:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": usage(list(latest.values()))})
+        finally:
+            await close(choices)
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+async def collect_response(head: dict, choices: list[Choice],
+                           make_choice: Callable[[Choice, list[dict]], dict]) -> JSONResponse:
+    """One body once every choice has finished; `make_choice` gets a choice's chunks in order."""
+    try:
+        async for choice, chunk in merged(choices):
+            choice.chunks.append(chunk)
+    except APIError as exc:
+        return exc.response()
+    finally:
+        await close(choices)
+    return JSONResponse({**head, "choices": [make_choice(c, c.chunks) for c in choices],
+                         "usage": usage([c.chunks[-1] for c in choices])})

@@ -1,0 +1,202 @@
+"""The OpenAI API beyond plain generation, over real HTTP to a real Serve deployment of SmolLM2: penalties,
+logit_bias, min_tokens, logprobs on both endpoints, echo, several prompts in one request, usage in
+every chunk, unknown fields, and vLLM's /tokenize and /detokenize. Every output is checked against
+kvloom's offline engine given the same sampling parameters (float32: both are exact)."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from kvloom.cluster.config import ClusterConfig
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024, "max_num_seqs": 8, "dtype": "float32"}
+PROMPTS = ["The three most useful kitchen tools are", "My favourite season is autumn because",
+           "To learn a language quickly, you should"]
+QUESTION = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
+
+
+@pytest.fixture(scope="module")
+def base(ray_serve, deploy_app) -> str:
+    deploy_app(ClusterConfig.model_validate({"engine": ENGINE, "num_replicas": 1}))
+    return ray_serve
+
+
+@pytest.fixture(scope="module")
+def client(base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(smollm2_dir) -> LLMEngine:
+    return LLMEngine(model="smollm2", **ENGINE)
+
+
+def offline_output(engine: LLMEngine, prompt, **knobs):
+    engine.add_request("offline", prompt, SamplingParams(temperature=0, **knobs))
+    while engine.has_unfinished():
+        done = [o for o in engine.step() if o.finished]
+    return done[0].outputs[0]
+
+
+def sse_events(base: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}{path}", json={**body, "stream": True}, timeout=120) as response:
+        assert response.status_code == 200, response.read()
+        lines = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+# ---- sampling knobs --------------------------------------------------------------------------
+@pytest.mark.parametrize("knobs", [
+    {"presence_penalty": 2.0}, {"frequency_penalty": 1.5, "presence_penalty": -0.5}, {"repetition_penalty": 1.5},
+    {"logit_bias": {"11": 4.0, "28": -100}},
+], ids=["presence", "frequency+presence", "repetition", "logit_bias"])
+def test_penalties_and_logit_bias_match_the_offline_engine(client, offline, knobs):
+    """Long enough (EOS ignored) that the plain greedy text repeats itself, so each knob changes it."""
+    extra = {"ignore_eos": True} | ({"repetition_penalty": knobs["repetition_penalty"]} if "repetition_penalty" in knobs else {})
+    openai_knobs = {k: v for k, v in knobs.items() if k != "repetition_penalty"}
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                       extra_body=extra, **openai_knobs)
+    engine_knobs = {**knobs, "logit_bias": {int(k): v for k, v in knobs.get("logit_bias", {}).items()}}
+    expected = offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True, **engine_knobs)
+    assert result.choices[0].text == expected.text
+    plain = offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True)
+    assert expected.token_ids != plain.token_ids, "the knob changes this output"
+
+
+def test_min_tokens_keeps_a_short_answer_going(client, offline):
+    plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=40, temperature=0)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 12
+    longer = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=40, temperature=0,
+                                            extra_body={"min_tokens": 12})
+    assert longer.usage.completion_tokens >= 12
+    expected = offline_output(offline, offline.apply_chat_template(QUESTION), max_tokens=40, min_tokens=12)
+    assert longer.choices[0].message.content == expected.text
+
+
+def test_seeded_sampling_is_reproducible(client):
+    runs = [client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=16, temperature=1.0, seed=7)
+            for _ in range(2)]
+    assert runs[0].choices[0].text == runs[1].choices[0].text
+
+
+# ---- logprobs ----------------------------------------------------------------------------------
+def test_completion_logprobs_are_the_engines(client, offline):
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    expected = offline_output(offline, PROMPTS[0], max_tokens=8, logprobs=3)
+    lp = result.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([next(iter(d.values())) for d in expected.logprobs], abs=1e-5)
+    assert "".join(lp.tokens) == result.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert all(len(top) == 3 and max(top.values()) >= chosen - 1e-6
+               for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+
+
+def test_chat_logprobs_streamed_equal_whole(client, base):
+    whole = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    # the EOS token that ended it is listed (it was generated) though the text leaves it out, as in vLLM
+    assert "".join(c.token for c in content).removesuffix("<|im_end|>") == whole.choices[0].message.content
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    assert all(bytes(c.bytes).decode() == c.token for c in content)
+    events = sse_events(base, "/v1/chat/completions", {"model": "smollm2", "messages": QUESTION, "max_tokens": 8,
+                                                       "temperature": 0, "logprobs": True, "top_logprobs": 2})
+    streamed = [c for e in events for c in (e["choices"][0]["logprobs"] or {"content": []})["content"]]
+    assert [(c["token"], c["logprob"]) for c in streamed] == [(c.token, c.logprob) for c in content]
+
+
+def test_no_logprobs_unless_asked(client):
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=4)
+    assert result.choices[0].logprobs is None
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def test_echo_puts_the_prompt_before_the_output(client, base):
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[2], max_tokens=6, temperature=0, echo=True)
+    plain = client.completions.create(model="smollm2", prompt=PROMPTS[2], max_tokens=6, temperature=0)
+    assert result.choices[0].text == PROMPTS[2] + plain.choices[0].text
+    events = sse_events(base, "/v1/completions", {"model": "smollm2", "prompt": PROMPTS[2], "max_tokens": 6,
+                                                  "temperature": 0, "echo": True})
+    assert "".join(e["choices"][0]["text"] for e in events) == result.choices[0].text
+
+
+def test_several_prompts_are_several_choices(client, base, offline):
+    result = client.completions.create(model="smollm2", prompt=PROMPTS, max_tokens=10, temperature=0)
+    expected = [offline_output(offline, p, max_tokens=10) for p in PROMPTS]
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert [c.text for c in result.choices] == [e.text for e in expected]
+    assert result.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    assert result.usage.prompt_tokens == sum(len(offline.encode(p)) for p in PROMPTS)
+
+    events = sse_events(base, "/v1/completions", {"model": "smollm2", "prompt": PROMPTS, "max_tokens": 10,
+                                                  "temperature": 0, "stream_options": {"include_usage": True}})
+    texts = {}
+    for event in events[:-1]:
+        (choice,) = event["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    assert [texts[i] for i in range(3)] == [e.text for e in expected]
+    assert events[-1]["usage"]["completion_tokens"] == result.usage.completion_tokens
+
+
+def test_token_id_prompts_too(client, offline):
+    ids = [offline.encode(p) for p in PROMPTS[:2]]
+    result = client.completions.create(model="smollm2", prompt=ids, max_tokens=5, temperature=0)
+    assert [c.text for c in result.choices] == [offline_output(offline, i, max_tokens=5).text for i in ids]
+
+
+# ---- streaming usage and fields ------------------------------------------------------------------
+def test_continuous_usage_stats_in_every_chunk(base):
+    """What guidellm sends: usage in every chunk, and ignore_eos."""
+    events = sse_events(base, "/v1/completions", {
+        "model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 12, "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+               for e in events)
+
+
+def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refused(client, base):
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3,
+                                       extra_body={"metadata": {"team": "a"}, "store": False, "vendor_x": 1})
+    assert result.choices[0].text
+    for field, value in [("use_beam_search", True), ("guided_json", {"type": "object"})]:
+        response = httpx.post(f"{base}/v1/completions", timeout=60,
+                              json={"model": "smollm2", "prompt": "hi", field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a"] * 65}, "prompt"),
+])
+def test_bad_values_get_a_400_naming_the_field(base, body, param):
+    response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert param in (response.json()["error"]["param"] or "")
+
+
+# ---- vLLM's token endpoints and /v1/models ----------------------------------------------------------
+def test_tokenize_and_detokenize_round_trip(base, offline):
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
+    assert tokens["tokens"] == offline.encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 1024
+    back = httpx.post(f"{base}/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]}, timeout=30)
+    assert back.json() == {"prompt": PROMPTS[0]}
+    chat = httpx.post(f"{base}/tokenize", json={"messages": QUESTION}, timeout=30).json()
+    assert chat["tokens"] == offline.apply_chat_template(QUESTION)
+    bad = httpx.post(f"{base}/detokenize", json={"tokens": [10**7]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_models_lists_max_model_len(base):
+    (model,) = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
+    assert model["id"] == "smollm2" and model["max_model_len"] == 1024
