@@ -23,6 +23,9 @@ REFUSED_FIELDS = {
     "truncate_prompt_tokens": "not supported", "skip_special_tokens": "not supported",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
 }
+# Values of those fields (besides null) that ask for what kvloom does anyway: clients often send defaults.
+DEFAULT_VALUES = {"use_beam_search": False, "include_stop_str_in_output": False, "skip_special_tokens": True,
+                  "modalities": ["text"]}
 
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: beyond, send several requests
@@ -36,7 +39,8 @@ class _Lenient(BaseModel):
         return [prefix + name for name in (self.model_extra or {})]
 
     def check_supported(self) -> None:
-        refused = next((f for f in self.model_extra or {} if f in REFUSED_FIELDS), None)
+        extra = self.model_extra or {}
+        refused = next((f for f in extra if f in REFUSED_FIELDS and extra[f] not in (None, DEFAULT_VALUES.get(f))), None)
         if refused is not None:
             raise UnsupportedFieldError(refused, REFUSED_FIELDS[refused])
 

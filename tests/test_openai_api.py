@@ -163,10 +163,11 @@ def test_continuous_usage_stats_in_every_chunk(base):
 
 
 def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refused(client, base):
-    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3,
-                                       extra_body={"metadata": {"team": "a"}, "store": False, "vendor_x": 1})
+    result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3, extra_body={
+        "metadata": {"team": "a"}, "store": False, "vendor_x": 1, "skip_special_tokens": True,
+        "include_stop_str_in_output": False})  # the last two: what kvloom does anyway
     assert result.choices[0].text
-    for field, value in [("use_beam_search", True), ("guided_json", {"type": "object"})]:
+    for field, value in [("use_beam_search", True), ("guided_json", {"type": "object"}), ("skip_special_tokens", False)]:
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "smollm2", "prompt": "hi", field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
