@@ -45,9 +45,10 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
         params, adjuster = request.sampling_params, request.logits_adjuster
         if params.greedy and adjuster is None:
             continue
-        row_logits = logits[row].float()
-        if adjuster is not None:  # on a copy: float32 logits' .float() is the batch's own row
-            row_logits = adjuster.apply(row_logits.clone(), request.token_ids, request.num_prompt_tokens)
+        # an adjuster edits in place: its row is a copy even when the logits are float32 already
+        row_logits = logits[row].to(torch.float32, copy=adjuster is not None)
+        if adjuster is not None:
+            row_logits = adjuster.apply(row_logits, request.token_ids, request.num_prompt_tokens)
         if params.greedy:
             tokens[row] = int(row_logits.argmax())
             continue

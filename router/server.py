@@ -175,6 +175,10 @@ class Router:
             logger.warning("accepting and ignoring the unknown request field %r (it changes no output; said once)", name)
         return parsed
 
+    def _chat_tokens(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return list(self.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
+
     def _tenant(self, request: Request) -> Tenant:
         return self.tenants.authenticate(request.headers.get("authorization"))
 
@@ -273,13 +277,14 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: CompletionRequest = await self._parse(request, CompletionRequest)
-            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+            texts = body.prompts()
+            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
             choices = await self._start_all(
                 [self._job(tenant, body, ids, body.max_tokens or 16, body.logprobs) for ids in prompts])
         except APIError as exc:
             return exc.response()
         if body.echo:
-            for choice, prompt, ids in zip(choices, body.prompts(), prompts):
+            for choice, prompt, ids in zip(choices, texts, prompts):
                 choice.prefix = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         logprobs = LogprobsFormat(self.tokenizer, body.logprobs) if body.logprobs is not None else None
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -303,8 +308,7 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-            token_ids = list(self.tokenizer.apply_chat_template(
-                body.conversation(), add_generation_prompt=True, tokenize=True, return_dict=False))
+            token_ids = self._chat_tokens(body.conversation())
             top_n = (body.top_logprobs or 0) if body.logprobs else None
             choices = await self._start_all(
                 [self._job(tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n)])
@@ -340,9 +344,7 @@ class Router:
         except APIError as exc:
             return exc.response()
         if body.messages is not None:
-            tokens = list(self.tokenizer.apply_chat_template(
-                body.conversation(), add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                return_dict=False))
+            tokens = self._chat_tokens(body.conversation(), body.add_generation_prompt)
         else:
             tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.table.max_model_len() or None, "tokens": tokens,
