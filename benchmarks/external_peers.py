@@ -28,7 +28,7 @@ from kvloom.benchmarks.metrics import RequestRecord, summarize
 from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
-from kvloom.engine.model_loader import resolve_model_dir
+from kvloom.engine.model_files import resolve_model_dir
 from kvloom.kernels.host_isa import host_isa
 
 HERE = Path(__file__).parent

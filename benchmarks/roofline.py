@@ -229,7 +229,7 @@ def machine_report(model: str, workload_path: str, threads: int) -> dict:
 
     Runs in a fresh process (see `bench.in_fresh_process`) so it gets the same threads as the systems.
     """
-    from kvloom.engine.model_loader import resolve_model_dir
+    from kvloom.engine.model_files import resolve_model_dir
 
     torch.set_num_threads(threads)
     model_dir = resolve_model_dir(model)

@@ -67,9 +67,9 @@ class TokenCorpus:
 
 
 def load_tokenizer(model: str):
-    from kvloom.engine import model_loader
+    from kvloom.engine import model_files, model_loader
 
-    return model_loader.load_tokenizer(model_loader.resolve_model_dir(model))
+    return model_loader.load_tokenizer(model_files.resolve_model_dir(model))
 
 
 def default_corpus(model: str = "smollm2", num_words: int = 60_000) -> TokenCorpus:

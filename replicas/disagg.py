@@ -5,6 +5,7 @@ token (streamed to the client at once) and parks the blocks. A DecodeReplica cho
 reserves blocks (waiting while its pool or batch is full), receives the KV over the configured
 transport, acknowledges, and decodes the rest. The prefill side frees (or keeps as prefix cache)
 its blocks only after that acknowledgement; a cancelled or failed hand-off frees both sides.
+The KV transports (torch) are imported inside the actors, as the engine is (see engine_replica.py).
 """
 
 import asyncio
@@ -14,9 +15,7 @@ from dataclasses import asdict
 import ray
 
 from kvloom.engine.errors import InvalidRequestError
-from kvloom.engine.kv_handoff import KVHeader, KVTransferError, activate_kv, export_kv, reserve_kv
 from kvloom.replicas.engine_replica import EngineReplica
-from kvloom.replicas.kv_transfer import PairGroups, recv_header, recv_payload, send_kv
 
 RESERVE_POLL_S = 0.01
 
@@ -25,6 +24,8 @@ class PrefillReplica(EngineReplica):
     role = "prefill"
 
     async def __init__(self, *args, **kwargs) -> None:
+        from kvloom.replicas.kv_transfer import PairGroups
+
         await super().__init__(*args, **kwargs)
         self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
 
@@ -50,12 +51,17 @@ class PrefillReplica(EngineReplica):
 
     async def export_kv(self, request_id: str, target_replica: str | None = None) -> dict:
         """Object-store transport: the payload goes into Ray's object store (wrapped, not resolved)."""
+        from kvloom.engine.kv_handoff import export_kv
+
         header, payload = await self.engine.run_on_engine(lambda engine: export_kv(engine, request_id))
         return {"header": asdict(header), "payload": [ray.put(payload)]}
 
     async def send_kv(self, request_id: str, decode_replica: str, store_address: str, tag: int,
                       target_replica: str | None = None) -> None:
         """torch.distributed transport: header then payload to the decode replica."""
+        from kvloom.engine.kv_handoff import export_kv
+        from kvloom.replicas.kv_transfer import send_kv
+
         header, payload = await self.engine.run_on_engine(lambda engine: export_kv(engine, request_id))
         group = await self.pairs.group(self.replica_id, decode_replica, store_address)
         try:
@@ -72,6 +78,8 @@ class DecodeReplica(EngineReplica):
     role = "decode"
 
     async def __init__(self, *args, **kwargs) -> None:
+        from kvloom.replicas.kv_transfer import PairGroups
+
         await super().__init__(*args, **kwargs)
         self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
         self.kv_store = self.pairs.host_store()
@@ -80,6 +88,9 @@ class DecodeReplica(EngineReplica):
         return {**super().stats(), "kv_store": getattr(self, "kv_store", None)}
 
     async def _receive(self, transfer: dict, prompt_len: int):
+        from kvloom.engine.kv_handoff import KVHeader, KVTransferError
+        from kvloom.replicas.kv_transfer import recv_header, recv_payload
+
         engine = self.engine.engine
         if transfer["transport"] == "object_store":
             header = KVHeader(**transfer["header"])
@@ -102,6 +113,8 @@ class DecodeReplica(EngineReplica):
     async def decode(self, request: dict, first_token: int, transfer: dict,
                      target_replica: str | None = None) -> AsyncIterator[dict]:
         """Reserve blocks, receive the KV, acknowledge (`kv_received`), then stream the rest."""
+        from kvloom.engine.kv_handoff import activate_kv, reserve_kv
+
         try:
             req = self.make_request(request)
         except (InvalidRequestError, ValueError) as exc:

@@ -7,24 +7,32 @@ can answer 400 before any byte is sent. Stats go to the router every `stats_peri
 router learns which replicas exist, how loaded they are and which prefixes they hold. The router answers
 each push with the number of replicas on this replica's node, so that CPU replicas split the node's
 cores between them: a lone one uses them all (unless the config fixes `torch_threads`).
+
+The engine (torch, transformers) is imported inside the actor, not by this module: `kvloom serve`'s
+driver imports the deployment classes to deploy them and would otherwise keep ~250 MB of torch mapped
+for as long as it serves.
 """
+
+from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-import torch
 import ray
 from ray import serve
 
-from kvloom.engine.async_engine import AsyncLLMEngine, OutputBatches
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.outputs import RequestOutput
-from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from kvloom.engine.async_engine import OutputBatches
+    from kvloom.engine.request import Request
 
 logger = logging.getLogger(__name__)
 PREFIX_SUMMARY_SIZE = 4096  # most recent cached-block hashes published for prefix affinity
@@ -32,6 +40,8 @@ PREFIX_SUMMARY_SIZE = 4096  # most recent cached-block hashes published for pref
 
 def engine_device(config: EngineConfig) -> EngineConfig:
     """Use CUDA only when Ray gave this actor a GPU that torch can see; say so either way."""
+    import torch
+
     if config.device != "auto":
         return config
     gpu_ids = ray.get_gpu_ids() if ray.is_initialized() else []
@@ -50,6 +60,8 @@ class EngineReplica:
 
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
                        torch_threads: int | None = None) -> None:
+        from kvloom.engine.async_engine import AsyncLLMEngine
+
         self.config = engine_device(EngineConfig(**engine_config))
         self.cpus = usable_cpus()
         self.fixed_threads = torch_threads
@@ -168,6 +180,8 @@ class EngineReplica:
             batches.close()
 
     def _channel(self, channel: str) -> OutputBatches:
+        from kvloom.engine.async_engine import OutputBatches
+
         if channel not in self.channels:
             self.channels[channel] = OutputBatches(self.engine)
         return self.channels[channel]

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
 from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.engine.model_files import resolve_model_dir
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
@@ -33,6 +34,7 @@ from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, De
 from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.responses import Choice, LogprobsFormat, close, collect_response, joined, stream_response
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
+from kvloom.router.tokenizer import load_router_tokenizer
 from kvloom.router.vtc import VirtualCounters
 
 logger = logging.getLogger(__name__)
@@ -73,10 +75,8 @@ def _draining() -> APIError:
 class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
         """`replicas_handle` runs requests (prefill replicas when `decode_handle` is given)."""
-        from kvloom.engine.model_loader import load_tokenizer, resolve_model_dir
-
         self.settings = RouterSettings(**settings)
-        self.tokenizer = load_tokenizer(resolve_model_dir(self.settings.model))
+        self.tokenizer = load_router_tokenizer(resolve_model_dir(self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)

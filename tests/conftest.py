@@ -52,7 +52,7 @@ def build_tiny_model():
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from kvloom.engine.model_loader import resolve_model_dir
+    from kvloom.engine.model_files import resolve_model_dir
 
     return resolve_model_dir("smollm2")
 

