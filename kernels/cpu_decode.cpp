@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_math.h"
@@ -74,6 +75,33 @@ inline vfloat load(const at::BFloat16* p) {  // bfloat16 is the top half of a fl
 #endif
 }
 inline void store(float* p, vfloat v) { *reinterpret_cast<vfloat_unaligned*>(p) = v; }
+
+// A bfloat16 row read 2W elements at a time as W 32-bit lanes: lane i holds element 2i in its low
+// half and 2i+1 in its high half, and bfloat16 is the top half of a float32, so one shift and one
+// mask widen both halves exactly, with no cross-lane shuffle (the natural-order widening above
+// costs a shuffle per W elements: QK and PV were bound by it). The row comes out "paired": every
+// even element, then every odd one, per 2W. Queries are paired the same way once per head, so dot
+// products never need the natural order back, and the outputs are unpaired once per head.
+typedef uint32_t vuint_unaligned __attribute__((vector_size(W * 4), aligned(4), may_alias));
+
+template <typename T, int NV>
+constexpr bool PAIRED = std::is_same_v<T, at::BFloat16> && NV % 2 == 0;
+
+// position, in a paired row, of natural element d
+inline int64_t paired_index(int64_t d) { return d / (2 * W) * 2 * W + d % 2 * W + d % (2 * W) / 2; }
+
+template <typename T, int NV>
+inline void load_row(const T* p, vfloat* v) {
+  if constexpr (PAIRED<T, NV>) {
+    for (int c = 0; c < NV / 2; ++c) {
+      const vuint bits = *reinterpret_cast<const vuint_unaligned*>(p + c * 2 * W);
+      v[2 * c] = __builtin_bit_cast(vfloat, bits << 16);
+      v[2 * c + 1] = __builtin_bit_cast(vfloat, bits & 0xFFFF0000u);
+    }
+  } else {
+    for (int j = 0; j < NV; ++j) v[j] = load(p + j * W);
+  }
+}
 
 inline float horizontal_sum(vfloat v) {
 #if defined(__AVX512F__)
@@ -146,9 +174,10 @@ inline void block_scores(const vfloat* q, const T* keys, int64_t row, int64_t n,
     vfloat dots[8];
     for (int i = 0; i < 8; ++i) {
       if (t0 + i < n) {
-        const T* k = keys + (t0 + i) * row;
-        vfloat dot = q[0] * load(k);
-        for (int j = 1; j < NV; ++j) dot += q[j] * load(k + j * W);
+        vfloat k[NV];
+        load_row<T, NV>(keys + (t0 + i) * row, k);
+        vfloat dot = q[0] * k[0];
+        for (int j = 1; j < NV; ++j) dot += q[j] * k[j];
         dots[i] = dot;
       } else {
         dots[i] = vfloat{};
@@ -178,9 +207,10 @@ inline void block_update(HeadState<NV * W>& st, float* __restrict s, const T* va
   }
   st.denominator += sum;
   for (int64_t t = 0; t < n; ++t) {
-    const T* v = values + t * row;
+    vfloat v[NV];
+    load_row<T, NV>(values + t * row, v);
     const float p = s[t];
-    for (int j = 0; j < NV; ++j) acc[j] += p * load(v + j * W);
+    for (int j = 0; j < NV; ++j) acc[j] += p * v[j];
   }
   for (int j = 0; j < NV; ++j) store(st.acc + j * W, acc[j]);
 }
@@ -195,6 +225,13 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   const int64_t first = item.first_head * G, heads = (item.last_head - item.first_head) * G;
   auto* states = reinterpret_cast<HeadState<D>*>(scratch);
   float* scores = scratch + heads * sizeof(HeadState<D>) / sizeof(float);
+  const float* queries = item.query;  // [KVH * G, D], paired like the rows where they are
+  if constexpr (PAIRED<T, NV>) {
+    float* paired = scores + BS + 8;
+    for (int64_t h = first; h < first + heads; ++h)
+      for (int64_t d = 0; d < D; ++d) paired[h * D + paired_index(d)] = item.query[h * D + d];
+    queries = paired;
+  }
   for (int64_t h = 0; h < heads; ++h) {
     std::fill_n(states[h].acc, D, 0.f);
     states[h].running_max = -INFINITY;
@@ -220,7 +257,7 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       for (int g = 0; g < G; ++g) {
         const int64_t head = kvh * G + g;
         vfloat q[NV];
-        for (int j = 0; j < NV; ++j) q[j] = load(item.query + head * D + j * W) * scale;
+        for (int j = 0; j < NV; ++j) q[j] = load(queries + head * D + j * W) * scale;
         block_scores<T, NV>(q, keys, cache.row, n, scores);
         block_update<T, NV>(states[head - first], scores, values, cache.row, n);
         if (next_keys != nullptr) {
@@ -235,7 +272,12 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.f / states[h].denominator;
-    for (int j = 0; j < NV; ++j) store(item.out + (first + h) * D + j * W, load(states[h].acc + j * W) * inv);
+    float* out = item.out + (first + h) * D;
+    if constexpr (PAIRED<T, NV>) {
+      for (int64_t d = 0; d < D; ++d) out[d] = states[h].acc[paired_index(d)] * inv;
+    } else {
+      for (int j = 0; j < NV; ++j) store(out + j * W, load(states[h].acc + j * W) * inv);
+    }
   }
 }
 
@@ -286,7 +328,9 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     run_start[r] = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before[items] * r / threads) -
                    cost_before.begin();
   const int64_t heads_per_item = KVH / split;
-  const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8;
+  // per thread: the heads' softmax states, one block's scores, and paired queries (all H of them,
+  // indexed by head)
+  const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 + H * D;
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch(scratch_floats);
     for (int64_t i = run_start[begin]; i < run_start[end]; ++i) {
