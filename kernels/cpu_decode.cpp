@@ -146,6 +146,7 @@ inline void sum_rows8(const vfloat* dots, float* out) {
 
 struct Item {
   const float* query;  // [KVH * G, D] of one request
+  const at::BFloat16* query_bf16;  // the same queries as the model computed them, where dot_bf16 applies
   const int32_t* table;
   int64_t seq_len;
   float* out;
@@ -187,6 +188,43 @@ inline void block_scores(const vfloat* q, const T* keys, int64_t row, int64_t n,
   }
 }
 
+// A bfloat16 model's queries against a bfloat16 cache, on CPUs with AVX512-BF16: VDPBF16PS
+// multiplies 32 bfloat16 pairs and adds them into 16 float32 lanes, one instruction where widening
+// costs three. A product of two bfloat16 is exact in float32, so the scores are the float32 ones up
+// to summation order; the scale (rarely a bfloat16) multiplies the scores instead of the query.
+#if defined(__AVX512BF16__)
+template <typename T, int NV>
+constexpr bool DOT_BF16 = std::is_same_v<T, at::BFloat16> && W == 16 && NV % 2 == 0;
+
+template <int NV>
+inline void block_scores_bf16(const at::BFloat16* query, const at::BFloat16* keys, int64_t row, int64_t n,
+                              float scale, float* __restrict scores) {
+  __m512bh q[NV / 2];
+  for (int c = 0; c < NV / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + c * 2 * W);
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    vfloat dots[8];
+    for (int i = 0; i < 8; ++i) {
+      if (t0 + i < n) {
+        const at::BFloat16* k = keys + (t0 + i) * row;
+        __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
+        for (int c = 1; c < NV / 2; ++c) dot = _mm512_dpbf16_ps(dot, q[c], (__m512bh)_mm512_loadu_si512(k + c * 2 * W));
+        dots[i] = reinterpret_cast<const vfloat&>(dot);
+      } else {
+        dots[i] = vfloat{};
+      }
+    }
+    sum_rows8(dots, scores + t0);
+  }
+  for (int64_t t = 0; t < n; ++t) scores[t] *= scale;
+}
+#else
+template <typename T, int NV>
+constexpr bool DOT_BF16 = false;
+
+template <int NV>
+inline void block_scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float, float*) {}
+#endif
+
 // Folds one block's scores into a query head's running softmax: exp, rescale, then P.V.
 template <typename T, int NV>
 inline void block_update(HeadState<NV * W>& st, float* __restrict s, const T* values, int64_t row, int64_t n) {
@@ -225,8 +263,9 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   const int64_t first = item.first_head * G, heads = (item.last_head - item.first_head) * G;
   auto* states = reinterpret_cast<HeadState<D>*>(scratch);
   float* scores = scratch + heads * sizeof(HeadState<D>) / sizeof(float);
+  const bool dot_bf16 = DOT_BF16<T, NV> && item.query_bf16 != nullptr;
   const float* queries = item.query;  // [KVH * G, D], paired like the rows where they are
-  if constexpr (PAIRED<T, NV>) {
+  if (PAIRED<T, NV> && !dot_bf16) {
     float* paired = scores + BS + 8;
     for (int64_t h = first; h < first + heads; ++h)
       for (int64_t d = 0; d < D; ++d) paired[h * D + paired_index(d)] = item.query[h * D + d];
@@ -256,9 +295,14 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       const T* values = cache.values + base + kvh * D;
       for (int g = 0; g < G; ++g) {
         const int64_t head = kvh * G + g;
-        vfloat q[NV];
-        for (int j = 0; j < NV; ++j) q[j] = load(queries + head * D + j * W) * scale;
-        block_scores<T, NV>(q, keys, cache.row, n, scores);
+        if (dot_bf16) {
+          block_scores_bf16<NV>(item.query_bf16 + head * D, reinterpret_cast<const at::BFloat16*>(keys), cache.row, n,
+                                scale, scores);
+        } else {
+          vfloat q[NV];
+          for (int j = 0; j < NV; ++j) q[j] = load(queries + head * D + j * W) * scale;
+          block_scores<T, NV>(q, keys, cache.row, n, scores);
+        }
         block_update<T, NV>(states[head - first], scores, values, cache.row, n);
         if (next_keys != nullptr) {
           const int64_t stop = std::min(prefetched + slice, block_elems);
@@ -298,8 +342,8 @@ ItemFn<T> pick(int64_t head_dim, int64_t group) {
 }
 
 template <typename T>
-at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+at::Tensor run(const at::Tensor& query, const at::BFloat16* query_bf16, const at::Tensor& key_cache,
+               const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2), G = H / KVH;
   const ItemFn<T> fn = pick<T>(D, G);
@@ -335,7 +379,8 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
     std::vector<float> scratch(scratch_floats);
     for (int64_t i = run_start[begin]; i < run_start[end]; ++i) {
       const int64_t b = i / split, first = (i % split) * heads_per_item;
-      const Item item{q + b * H * D, bt + b * MAXB, sl[b], o + b * H * D, first, first + heads_per_item};
+      const Item item{q + b * H * D, query_bf16 ? query_bf16 + b * H * D : nullptr, bt + b * MAXB, sl[b],
+                      o + b * H * D, first, first + heads_per_item};
       fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());
     }
   });
@@ -358,11 +403,12 @@ at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32 or
   // a bfloat16 model's queries are widened here and its outputs rounded back: a few KB per step,
   // and the math stays float32 either way
   const at::Tensor q = query.to(at::kFloat);
+  const at::BFloat16* q_bf16 = query.scalar_type() == at::kBFloat16 ? query.data_ptr<at::BFloat16>() : nullptr;
   at::Tensor out;
   switch (key_cache.scalar_type()) {
-    case at::kFloat: out = run<float>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
-    case at::kHalf: out = run<at::Half>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
-    case at::kBFloat16: out = run<at::BFloat16>(q, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kFloat: out = run<float>(q, nullptr, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kHalf: out = run<at::Half>(q, nullptr, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kBFloat16: out = run<at::BFloat16>(q, q_bf16, key_cache, value_cache, block_tables, seq_lens, scale); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
   }
   return out.to(query.scalar_type());
