@@ -90,6 +90,8 @@ def activate_kv(engine: LLMEngine, request: Request, first_token: int, payload: 
         value_cache.index_copy_(0, index, layer[1])
     request.num_computed_tokens = len(request.prompt_token_ids)
     request.token_ids.append(first_token)
+    if request.grammar is not None:  # the prefill replica's grammar chose it; this one's starts behind
+        request.grammar.accept(first_token)
     engine.kv.cache_full_blocks(request)
     engine.register_request(request)
     engine.scheduler.adopt_running(request)

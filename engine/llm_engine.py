@@ -23,6 +23,7 @@ from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
+from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype, host_isa
 
@@ -92,6 +93,7 @@ class LLMEngine:
                                                f"({context_length})")
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks(self.model_config.kv_bytes_per_token(self.kv_dtype))
         self._validate_limits()
@@ -213,6 +215,7 @@ class LLMEngine:
             request_id, token_ids, params, priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
             logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
+            grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
         )
 
     def _check_vocabulary(self, field: str, token_ids) -> None:
@@ -298,6 +301,8 @@ class LLMEngine:
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        if request.grammar is not None and request.grammar.accept(token_id):
+            return RequestStatus.FINISHED_STOPPED  # the grammar ends on an end token, which is not text
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED

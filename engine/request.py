@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.structured_output import OutputGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -35,6 +36,7 @@ class Request:
     prompt: str | None = None
     park_kv: bool = False  # disaggregated prefill: keep the blocks after finishing, for a KV hand-off
     logits_adjuster: LogitsAdjuster | None = None  # penalties, logit_bias, min_tokens: None when none asked
+    grammar: OutputGrammar | None = None  # structured outputs: the matcher of the output so far
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.request import Request
+from kvloom.engine.structured_output import mask_disallowed
 
 
 @dataclass
@@ -39,7 +40,13 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
     """`logits` is [len(requests), vocab] in the model's dtype; one generator per request keeps seeded
     runs reproducible. Greedy rows read the logits as they are (no widened copy of the batch's); a
-    sampled row, or one with penalties, logit_bias or min_tokens, is widened to float32 alone."""
+    sampled row, or one with penalties, logit_bias or min_tokens, is widened to float32 alone. Rows with
+    a structured-output grammar are masked in place first; logprobs stay the model's own, as vLLM's."""
+    wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+    logprobs = logits.float().log_softmax(dim=-1) if any(wants_logprobs) else None
+    constrained = [row for row, r in enumerate(requests) if r.grammar is not None]
+    if constrained:
+        mask_disallowed(logits, [requests[row].grammar for row in constrained], constrained)
     tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and 2.5x faster on CPU
     for row, request in enumerate(requests):
         params, adjuster = request.sampling_params, request.logits_adjuster
@@ -54,10 +61,8 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
             continue
         row_logits = _filter_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
         tokens[row] = _draw(row_logits.softmax(-1), generators[row])
-    wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
-    if not any(wants_logprobs):
+    if logprobs is None:
         return [SampledToken(t, None) for t in tokens]
-    logprobs = logits.float().log_softmax(dim=-1)
     result = []
     for row, (token, request) in enumerate(zip(tokens, requests)):
         if not wants_logprobs[row]:

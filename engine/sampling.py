@@ -1,6 +1,28 @@
 """SamplingParams: what a caller may ask of one request, validated so bad input fails early."""
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: exactly one constraint on the output's text (see structured_output.py)."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_schema: dict[str, Any] | None = None  # the output is JSON valid against this schema
+    json_object: bool = False  # the output is any JSON object
+    regex: str | None = None  # the output matches this regular expression
+    choice: list[str] | None = None  # the output is one of these strings
+    field: str = "structured_outputs"  # the request field that asked for it, named in errors
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of json_schema, json_object, regex and choice")
+        if self.choice is not None and not self.choice:
+            raise ValueError("choice must list at least one string")
+        return self
 
 
 class SamplingParams(BaseModel):
@@ -22,6 +44,7 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=1)
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
     detokenize: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     @field_validator("stop", mode="before")
     @classmethod

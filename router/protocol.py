@@ -6,19 +6,20 @@ unsupported values of known ones) is a 400 naming the field, never silently igno
 router logs its name once.
 """
 
+import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.sampling import SamplingParams, StructuredOutputs
 
 # Fields of OpenAI's or vLLM's API that change what is generated and that kvloom does not implement.
 REFUSED_FIELDS = {
     "functions": "function calling is not supported", "function_call": "function calling is not supported",
     "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
-    "guided_json": "structured outputs are not supported yet", "guided_regex": "structured outputs are not supported yet",
-    "guided_choice": "structured outputs are not supported yet", "guided_grammar": "structured outputs are not supported yet",
-    "structured_outputs": "structured outputs are not supported yet", "prompt_logprobs": "prompt logprobs are not supported",
+    "guided_grammar": "grammars are not supported (JSON schemas, regular expressions and choices are)",
+    "guided_whitespace_pattern": "not supported", "guided_decoding_backend": "not supported",
+    "prompt_logprobs": "prompt logprobs are not supported",
     "include_stop_str_in_output": "not supported", "bad_words": "not supported", "allowed_token_ids": "not supported",
     "truncate_prompt_tokens": "not supported", "skip_special_tokens": "not supported",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
@@ -29,6 +30,46 @@ DEFAULT_VALUES = {"use_beam_search": False, "include_stop_str_in_output": False,
 
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request: beyond, send several requests
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+
+
+def _constraint(field: str, value: Any) -> dict[str, Any]:
+    """A structured-output field's value as StructuredOutputs' arguments."""
+    if field == "guided_json":
+        return {"json_schema": _schema(value)}
+    if field == "guided_regex":
+        return {"regex": value}
+    if field == "guided_choice":
+        return {"choice": value}
+    if field == "structured_outputs":
+        unknown = set(value) - {"json", "json_object", "regex", "choice"}
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]!r} is not supported (json, json_object, regex and choice are)")
+        renamed = {"json_schema" if k == "json" else k: v for k, v in value.items() if v is not None}
+        if "json_schema" in renamed:
+            renamed["json_schema"] = _schema(renamed["json_schema"])
+        return renamed
+    kind = value.get("type")  # response_format, OpenAI's shape
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (value.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        return {"json_schema": schema}
+    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+
+
+def _schema(value: Any) -> dict[str, Any]:
+    """A JSON schema given as an object or as its JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError("a JSON schema must be an object")
+    return value
 
 
 class _Lenient(BaseModel):
@@ -80,6 +121,12 @@ class _Common(_Lenient):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys (strings)
     user: str | None = None
     priority: int | None = None
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -97,13 +144,27 @@ class _Common(_Lenient):
             raise UnsupportedFieldError("n", "only n=1 is supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "only allowed with stream: true")
+        self.output_constraint()
 
-    def ignored_fields(self) -> list[str]:
-        nested = self.stream_options.unknown_fields("stream_options.") if self.stream_options else []
-        return self.unknown_fields() + nested
+    def output_constraint(self) -> StructuredOutputs | None:
+        """The one structured-output constraint the request asks for, from whichever field carries it."""
+        asked = {name: value for name in STRUCTURED_FIELDS if (value := getattr(self, name)) is not None}
+        if (self.response_format or {}).get("type") == "text":  # OpenAI's default: no constraint
+            del asked["response_format"]
+        if len(asked) > 1:
+            raise UnsupportedFieldError(sorted(asked)[1], f"give one of {', '.join(sorted(asked))}, not several")
+        if not asked:
+            return None
+        (name, value), = asked.items()
+        try:
+            return StructuredOutputs(field=name, **_constraint(name, value))
+        except ValidationError as exc:
+            raise UnsupportedFieldError(name, exc.errors()[0]["msg"]) from None
+        except (ValueError, TypeError) as exc:
+            raise UnsupportedFieldError(name, str(exc)) from None
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
+        return SamplingParams(structured_outputs=self.output_constraint(),
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
@@ -174,7 +235,6 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict] | None = None
     tool_choice: Any = None
-    response_format: dict | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -189,8 +249,6 @@ class ChatCompletionRequest(_Common):
             raise UnsupportedFieldError("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none"):
             raise UnsupportedFieldError("tool_choice", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type") != "text":
-            raise UnsupportedFieldError("response_format", "only type 'text' is supported")
         self.conversation()
 
     def conversation(self) -> list[dict]:

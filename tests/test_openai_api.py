@@ -1,9 +1,10 @@
 """The OpenAI API beyond plain generation, over real HTTP to a real Serve deployment of SmolLM2: penalties,
 logit_bias, min_tokens, logprobs on both endpoints, echo, several prompts in one request, usage in
-every chunk, unknown fields, and vLLM's /tokenize and /detokenize. Every output is checked against
+every chunk, unknown fields, structured outputs, and vLLM's /tokenize and /detokenize. Every output is checked against
 kvloom's offline engine given the same sampling parameters (float32: both are exact)."""
 
 import json
+import re
 
 import httpx
 import openai
@@ -167,7 +168,7 @@ def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refuse
         "metadata": {"team": "a"}, "store": False, "vendor_x": 1, "skip_special_tokens": True,
         "include_stop_str_in_output": False})  # the last two: what kvloom does anyway
     assert result.choices[0].text
-    for field, value in [("use_beam_search", True), ("guided_json", {"type": "object"}), ("skip_special_tokens", False)]:
+    for field, value in [("use_beam_search", True), ("guided_grammar", "root ::= \"a\""), ("skip_special_tokens", False)]:
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "smollm2", "prompt": "hi", field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
@@ -183,6 +184,57 @@ def test_bad_values_get_a_400_naming_the_field(base, body, param):
     response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)
     assert response.status_code == 400, response.text
     assert param in (response.json()["error"]["param"] or "")
+
+
+# ---- structured outputs ------------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_response_format_json_schema_parses_and_streams_the_same(client, temperature):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    messages = [{"role": "user", "content": "Invent a person."}]
+    whole = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, seed=7,
+                                           temperature=temperature, response_format=fmt)
+    person = json.loads(whole.choices[0].message.content)
+    assert set(person) == {"name", "age"} and isinstance(person["age"], int) and 0 <= person["age"] <= 120
+    stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=60, seed=7,
+                                            temperature=temperature, response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == whole.choices[0].message.content
+
+
+def test_json_object_and_vllm_constraint_fields(client):
+    obj = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=80, temperature=0,
+                                         response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    for extra, check in [
+        ({"guided_choice": ["yes", "no"]}, lambda text: text in ("yes", "no")),
+        ({"guided_regex": "[A-Z][a-z]{2,8} [0-9]{2}"}, lambda text: re.fullmatch("[A-Z][a-z]{2,8} [0-9]{2}", text)),
+        ({"guided_json": json.dumps(PERSON)}, lambda text: set(json.loads(text)) == {"name", "age"}),
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda text: text in ("red", "green")),
+    ]:
+        text = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=40, temperature=0,
+                                         extra_body=extra).choices[0].text
+        assert check(text), (extra, text)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
+])
+def test_a_bad_constraint_is_a_400_naming_its_field(base, body, param):
+    response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
 
 
 # ---- vLLM's token endpoints and /v1/models ----------------------------------------------------------
