@@ -29,7 +29,7 @@ DEFAULT_VALUES = {"use_beam_search": False, "include_stop_str_in_output": False,
                   "modalities": ["text"]}
 
 
-MAX_PROMPTS = 64  # prompts in one /v1/completions request: beyond, send several requests
+MAX_CHOICES = 64  # choices (prompts times n) in one request: beyond, send several requests
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
 
 
@@ -107,7 +107,7 @@ class _Common(_Lenient):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -140,8 +140,6 @@ class _Common(_Lenient):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.n != 1:
-            raise UnsupportedFieldError("n", "only n=1 is supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedFieldError("stream_options", "only allowed with stream: true")
         self.output_constraint()
@@ -192,8 +190,8 @@ class CompletionRequest(_Common):
         super().check_supported()
         if self.echo and self.logprobs is not None:
             raise UnsupportedFieldError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
-        if self.best_of not in (None, 1):
-            raise UnsupportedFieldError("best_of", "only best_of=1 is supported")
+        if self.best_of not in (None, self.n):
+            raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported")
         self.prompts()
@@ -202,8 +200,8 @@ class CompletionRequest(_Common):
         """One or several prompts (OpenAI: a string, token ids, or a list of either); each is a choice."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) > MAX_PROMPTS:
-                raise UnsupportedFieldError("prompt", f"at most {MAX_PROMPTS} prompts per request")
+            if len(prompt) * self.n > MAX_CHOICES:
+                raise UnsupportedFieldError("prompt", f"at most {MAX_CHOICES} choices (prompts times n) per request")
             return prompt
         return [prompt]
 

@@ -182,7 +182,11 @@ class Router:
     def _tenant(self, request: Request) -> Tenant:
         return self.tenants.authenticate(request.headers.get("authorization"))
 
-    def _job(self, tenant: Tenant, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None) -> Job:
+    def _job(self, tenant: Tenant, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None,
+             sibling: int = 0) -> Job:
+        """One choice's request. The `n` choices of a prompt start one after the other (see `_start_all`), so
+        each later one finds the prompt's full blocks in the replica's prefix cache and computes only the
+        last partial block; a seeded request's j-th choice draws with seed + j."""
         limit = tenant.config.quotas.max_tokens_per_request
         if max_tokens is None and limit is not None:
             # "as long as the tenant may" within the model's room (none known: no replica yet, or a prompt
@@ -196,6 +200,8 @@ class Router:
             raise validation_error(exc.errors()) from exc
         if max_tokens is None:
             del sampling["max_tokens"]  # the replica fills in "up to max_model_len"
+        if body.seed is not None:
+            sampling["seed"] = body.seed + sibling
         request_id = uuid.uuid4().hex
         payload = {"request_id": request_id, "prompt_token_ids": token_ids, "sampling": sampling,
                    "priority": priority}
@@ -277,10 +283,10 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: CompletionRequest = await self._parse(request, CompletionRequest)
-            texts = body.prompts()
+            texts = [text for text in body.prompts() for _ in range(body.n)]  # OpenAI: choice i*n+j
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
-            choices = await self._start_all(
-                [self._job(tenant, body, ids, body.max_tokens or 16, body.logprobs) for ids in prompts])
+            choices = await self._start_all([self._job(tenant, body, ids, body.max_tokens or 16, body.logprobs,
+                                                       sibling=i % body.n) for i, ids in enumerate(prompts)])
         except APIError as exc:
             return exc.response()
         if body.echo:
@@ -310,8 +316,8 @@ class Router:
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             token_ids = self._chat_tokens(body.conversation())
             top_n = (body.top_logprobs or 0) if body.logprobs else None
-            choices = await self._start_all(
-                [self._job(tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n)])
+            choices = await self._start_all([self._job(tenant, body, token_ids, body.max_completion_tokens
+                                                       or body.max_tokens, top_n, sibling=j) for j in range(body.n)])
         except APIError as exc:
             return exc.response()
         logprobs = LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None

@@ -186,6 +186,37 @@ def test_bad_values_get_a_400_naming_the_field(base, body, param):
     assert param in (response.json()["error"]["param"] or "")
 
 
+# ---- n choices ---------------------------------------------------------------------------------------
+LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle on the shore"
+
+
+def test_n_greedy_choices_are_the_engines_output_and_share_the_prompts_blocks(client, offline):
+    want = offline_output(offline, LONG_PROMPT, max_tokens=8)
+    result = client.completions.create(model="smollm2", prompt=LONG_PROMPT, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in result.choices] == [0, 1, 2]
+    assert all(c.text == want.text for c in result.choices)
+    assert result.usage.completion_tokens == 3 * len(want.token_ids)
+    full_blocks = len(offline.encode(LONG_PROMPT)) // 16
+    assert result.usage.prompt_tokens_details.cached_tokens >= 2 * full_blocks * 16, "later choices reuse the prompt"
+
+
+def test_n_seeded_choices_are_the_seeds_in_turn(client):
+    together = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=10, seed=5, n=2)
+    apart = [client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=10, seed=seed).choices[0].text
+             for seed in (5, 6)]
+    assert [c.text for c in together.choices] == apart
+
+
+def test_n_chat_choices_stream_by_index(client):
+    kwargs = {"model": "smollm2", "messages": QUESTION, "max_tokens": 12, "seed": 3, "n": 2}
+    whole = client.chat.completions.create(**kwargs)
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {c.index: c.message.content for c in whole.choices}
+
+
 # ---- structured outputs ------------------------------------------------------------------------------
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
