@@ -187,11 +187,15 @@ async def test_a_flood_does_not_push_another_tenant_over_its_latency_goal(server
 async def test_high_priority_overtakes_the_queue_and_preempts_in_the_engine(server):
     base, router = server
     preempted_before = await preemptions(router)
-    low = [asyncio.create_task(stream(base, "sk-batch", max_tokens=48)) for _ in range(5)]
+    # long enough (EOS ignored) that the two running ones are still running when the urgent one arrives,
+    # however fast the engine is
+    low = [asyncio.create_task(stream(base, "sk-batch", max_tokens=96, ignore_eos=True)) for _ in range(5)]
     await asyncio.sleep(1.5)  # the engine runs two, three wait in the router
+    sent = time.monotonic()
     urgent = await stream(base, "sk-vip", max_tokens=8, priority=-5)
     assert urgent.status == 200
     lows = await asyncio.gather(*low)
+    assert all(r.finished_at > sent for r in lows), "a low request ended before the urgent one was sent"
     assert sum(r.finished_at < urgent.finished_at for r in lows) == 0  # ahead of even the running ones
     deadline = time.monotonic() + 5
     while await preemptions(router) == preempted_before:  # stats reach the router every 0.5 s
