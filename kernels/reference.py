@@ -57,8 +57,8 @@ def paged_attention(
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,shd->hqs", q, k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)
-        k_pos = torch.arange(seq_len).unsqueeze(0)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).unsqueeze(1)
+        k_pos = torch.arange(seq_len, device=query.device).unsqueeze(0)
         scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
         probs = scores.softmax(dim=-1)
         out[start : start + q_len] = torch.einsum("hqs,shd->qhd", probs, v).to(query.dtype)

@@ -1,0 +1,81 @@
+"""The engine on a real CUDA device: Triton attention, the derived KV budget, half precision.
+
+Skipped without CUDA (CI has none). On a GPU machine: `python -m pytest tests/gpu tests/test_triton_kernels.py`.
+The CPU engine is the oracle: the same tiny checkpoint, the same prompts, greedy.
+"""
+
+import random
+
+import pytest
+import torch
+
+from kvloom.engine.llm import LLM
+from kvloom.engine.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompts(count: int = 12, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
+
+
+def token_ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in llm.generate(batch, params)]
+
+
+@pytest.fixture(scope="module")
+def cpu_greedy(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 24)
+    return token_ids(llm, prompts())
+
+
+def test_float32_engine_on_cuda_matches_the_cpu_engine(tiny_model_dir, cpu_greedy):
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24)
+    assert llm.engine.runner.backend.name == "triton"
+    assert token_ids(llm, prompts()) == cpu_greedy
+
+
+def test_chunked_prefill_preemption_and_prefix_hits_stay_exact_on_cuda(tiny_model_dir, cpu_greedy):
+    # 24 blocks of 16 tokens for 12 requests of up to 113 tokens: the scheduler must preempt; chunks
+    # of 32 tokens split every long prompt; the second round hits the prefix cache.
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="float32", block_size=16,
+              kv_cache_memory_bytes=24 * 16 * llm_bytes_per_token(tiny_model_dir, torch.float32),
+              max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
+    assert token_ids(llm, prompts()) == cpu_greedy
+    assert token_ids(llm, prompts()) == cpu_greedy
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_blocks, "KV blocks leaked"
+
+
+def llm_bytes_per_token(model_dir, dtype: torch.dtype) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype.itemsize
+
+
+def test_auto_dtype_is_bfloat16_and_agrees_with_float32_on_first_tokens(tiny_model_dir, cpu_greedy):
+    llm = LLM(str(tiny_model_dir), device="cuda", kv_cache_memory_bytes=1 << 24)
+    assert llm.engine.dtype == torch.bfloat16
+    outputs = token_ids(llm, prompts())
+    first_four_equal = sum(out[:4] == ref[:4] for out, ref in zip(outputs, cpu_greedy))
+    assert first_four_equal >= 10, f"bf16 agreed with fp32 on the first 4 tokens of {first_four_equal}/12 prompts"
+
+
+def test_derived_kv_budget_fits_the_memory_utilization_target(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3)
+    total = torch.cuda.get_device_properties(0).total_memory
+    held = torch.cuda.memory_allocated(0)
+    assert llm.engine.num_blocks > 0
+    assert 0.2 * total < held <= 0.3 * total, f"holds {held / total:.2f} of the device"
+    del llm
+    torch.cuda.empty_cache()
+
+
+def test_seeded_sampling_reproduces_on_cuda(tiny_model_dir):
+    llm = LLM(str(tiny_model_dir), device="cuda", kv_cache_memory_bytes=1 << 24)
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, seed=7)
+    assert token_ids(llm, prompts(4), params) == token_ids(llm, prompts(4), params)
