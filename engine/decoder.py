@@ -107,8 +107,12 @@ class FusedDecoder:
             return "no lm_head.weight, and the head is not tied to the embedding table"
         return unsupported_rope(config)
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                 num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states after the final norm; `num_layers`: only the first that many layers run (layer-skip
+        drafting: the final norm and the LM head read what they leave)."""
         num_tokens = input_ids.shape[0]
+        layers = self.layers[:num_layers]
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         # a fresh float32 tensor: the residual stream, updated in place
@@ -117,9 +121,9 @@ class FusedDecoder:
         dtype, eps = self.dtype, self.eps
         meta, backend = context.meta, context.backend
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
-        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
-        hidden = add_rms_norm_(residual, None, self.layers[0].input_norm, eps, dtype)
-        for layer, next_norm, (key_cache, value_cache) in zip(self.layers, next_norms, context.kv_caches):
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
+        hidden = add_rms_norm_(residual, None, layers[0].input_norm, eps, dtype)
+        for layer, next_norm, (key_cache, value_cache) in zip(layers, next_norms, context.kv_caches):
             qkv = layer.qkv(hidden)
             rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
             q, k, v = qkv.split(split, dim=-1)

@@ -93,6 +93,15 @@ class KVCacheManager:
             request.block_hashes.append(block_hash)
             self.pool.register(held[i], block_hash, chunk)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Return the blocks past those `num_tokens` tokens need (slots of rejected drafts)."""
+        held = self._held[request.request_id]
+        keep = self.blocks_needed(num_tokens)
+        for block in reversed(held[keep:]):
+            self.pool.release(block)
+        del held[keep:]
+        request.block_ids = request.block_ids[:keep]
+
     def free(self, request: Request) -> None:
         """Return every block the request holds; tail blocks go first so they are evicted first."""
         for block in reversed(self._held.pop(request.request_id, [])):

@@ -21,8 +21,10 @@ from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.runner import ModelRunner
+from kvloom.engine.sampler import SampledToken
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
+from kvloom.engine.speculative import SpecDecodeStats, build_speculator
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype, host_isa
@@ -107,6 +109,8 @@ class LLMEngine:
             config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000,
         )
         self.scheduler = Scheduler(limits, self.kv)
+        spec = config.speculative_config
+        self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
         self.parked: dict[str, Request] = {}  # finished prefills holding KV until handed off
         self.reserved: dict[str, Request] = {}  # decodes holding blocks while their KV arrives
@@ -273,33 +277,53 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        if self.speculator is not None:
+            self.speculator.draft(out.scheduled, self._generators)
         now = time.monotonic()
         for request, _ in out.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
         sampled = self.runner.execute(out.scheduled, self._generators)
-        advanced = self.scheduler.update_from_output(out, {k: v.token_id for k, v in sampled.items()})
+        if self.speculator is not None:
+            self.speculator.record(out.scheduled, sampled)
+        advanced = self.scheduler.update_from_output(
+            out, {k: [t.token_id for t in tokens] for k, tokens in sampled.items()})
         now = time.monotonic()
         outputs = []
         for request in advanced:
-            token = sampled[request.request_id]
             if request.first_token_time is None:
                 request.first_token_time = now
-            if token.logprobs is not None:
-                request.output_logprobs.append(token.logprobs)
-            status = self._check_stop(request, token.token_id)
+            new_tokens, status = self._accept_tokens(request, sampled[request.request_id])
             if status is not None:
                 self.scheduler.finish_request(request, status, free_blocks=not request.park_kv)
                 if request.park_kv:
                     self.parked[request.request_id] = request
-            outputs.append(self._finalize(request, [token.token_id]) if status else
-                           self._output(request, [token.token_id]))
+            outputs.append(self._finalize(request, new_tokens) if status else self._output(request, new_tokens))
         return outputs
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _accept_tokens(self, request: Request, tokens: list[SampledToken]) -> tuple[list[int], RequestStatus | None]:
+        """Check stop conditions token by token (a step may bring several); drop the tokens after a stop."""
+        first = request.num_tokens - len(tokens)
+        new_tokens: list[int] = []
+        status = None
+        for token in tokens:
+            new_tokens.append(token.token_id)
+            if token.logprobs is not None:
+                request.output_logprobs.append(token.logprobs)
+            status = self._check_stop(request, token.token_id, first + len(new_tokens) - request.num_prompt_tokens)
+            if status is not None:
+                del request.token_ids[first + len(new_tokens):]
+                request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+                break
+        return new_tokens, status
+
+    def _check_stop(self, request: Request, token_id: int, num_output: int) -> RequestStatus | None:
+        """Whether the output ends at `token_id`, its `num_output`-th token."""
         params = request.sampling_params
         if request.grammar is not None and request.grammar.accept(token_id):
             return RequestStatus.FINISHED_STOPPED  # the grammar ends on an end token, which is not text
@@ -310,11 +334,11 @@ class LLMEngine:
             return RequestStatus.FINISHED_STOPPED
         detok = self._detokenizers.get(request.request_id)
         if detok is not None:
-            stop = detok.add_token(token_id, check_stop=request.num_output_tokens >= params.min_tokens)
+            stop = detok.add_token(token_id, check_stop=num_output >= params.min_tokens)
             if stop is not None:
                 request.stop_reason = stop
                 return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
@@ -347,6 +371,11 @@ class LLMEngine:
         self._detokenizers.pop(request.request_id, None)
         self._generators.pop(request.request_id, None)
         return output
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Drafted and accepted tokens so far; None without speculative decoding."""
+        return self.speculator.stats if self.speculator is not None else None
 
     def stats(self) -> EngineStats:
         pool = self.kv.pool

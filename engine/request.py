@@ -4,6 +4,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import OutputGrammar
@@ -46,6 +48,8 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks, in order
+    spec_token_ids: list[int] = field(default_factory=list)  # drafted tokens this step verifies
+    spec_probs: torch.Tensor | None = None  # the draft's distribution per drafted token; None: a point mass
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -64,6 +68,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

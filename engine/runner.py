@@ -12,6 +12,7 @@ from kvloom.engine.attention import ForwardContext
 from kvloom.engine.decoder import FusedDecoder
 from kvloom.engine.host_memory import advise_huge_pages
 from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.rejection_sampler import verify
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
 from kvloom.engine.stock_decoder import StockDecoder
@@ -48,8 +49,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, scheduled: list[tuple[Request, int]], generators: dict[str, torch.Generator]
-    ) -> dict[str, SampledToken]:
-        """Run one step; returns a sampled token for each request whose known tokens are all computed."""
+    ) -> dict[str, list[SampledToken]]:
+        """Run one step; returns the new tokens of each request whose known tokens are all computed: one,
+        or with drafted tokens (`spec_token_ids`, computed in this step too) those kept and the next."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -58,13 +60,14 @@ class ModelRunner:
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
-            input_ids.extend(request.token_ids[start:end])
+            known = request.token_ids[start:end]
+            input_ids.extend(known + request.spec_token_ids[: num_new - len(known)])
             positions.extend(range(start, end))
             query_lens.append(num_new)
             seq_lens.append(end)
             tables.append(request.block_ids)
-            if end == request.num_tokens:
-                sample_rows.append(len(input_ids) - 1)
+            if end == request.num_tokens_with_spec:
+                sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
                 sample_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
         context = ForwardContext(meta, self.kv_caches, self.backend)
@@ -74,5 +77,9 @@ class ModelRunner:
         if not sample_requests:
             return {}
         logits = self.decoder.logits(hidden[sample_rows])
-        tokens = sample(logits, sample_requests, [generators[r.request_id] for r in sample_requests])
+        request_generators = [generators[r.request_id] for r in sample_requests]
+        if len(sample_rows) > len(sample_requests):
+            tokens = verify(logits, sample_requests, request_generators)
+        else:
+            tokens = [[token] for token in sample(logits, sample_requests, request_generators)]
         return {r.request_id: t for r, t in zip(sample_requests, tokens)}

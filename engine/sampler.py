@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.request import Request
+from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import mask_disallowed
 
 
@@ -27,7 +28,12 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+def sampling_probs(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled request draws from: temperature, then top-k and top-p, over float32 logits."""
+    return _filter_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p).softmax(-1)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One categorical draw by inverse CDF: a single uniform per row, where torch.multinomial draws an
     exponential per vocabulary entry (75 us vs 1.3 ms per row of SmolLM2's 49k vocab on CPU, measured;
     at batch 64 that was 13% of a decode step)."""
@@ -42,8 +48,8 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
     runs reproducible. Greedy rows read the logits as they are (no widened copy of the batch's); a
     sampled row, or one with penalties, logit_bias or min_tokens, is widened to float32 alone. Rows with
     a structured-output grammar are masked in place first; logprobs stay the model's own, as vLLM's."""
-    wants_logprobs = [r.sampling_params.logprobs is not None for r in requests]
-    logprobs = logits.float().log_softmax(dim=-1) if any(wants_logprobs) else None
+    wants_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
+    logprobs = logits.float().log_softmax(dim=-1) if wants_logprobs else None
     constrained = [row for row, r in enumerate(requests) if r.grammar is not None]
     if constrained:
         mask_disallowed(logits, [requests[row].grammar for row in constrained], constrained)
@@ -59,18 +65,19 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
         if params.greedy:
             tokens[row] = int(row_logits.argmax())
             continue
-        row_logits = _filter_top_k_top_p(row_logits / params.temperature, params.top_k, params.top_p)
-        tokens[row] = _draw(row_logits.softmax(-1), generators[row])
+        tokens[row] = draw(sampling_probs(row_logits, params), generators[row])
     if logprobs is None:
         return [SampledToken(t, None) for t in tokens]
-    result = []
-    for row, (token, request) in enumerate(zip(tokens, requests)):
-        if not wants_logprobs[row]:
-            result.append(SampledToken(token, None))
-            continue
-        chosen = {token: float(logprobs[row, token])}
-        top = torch.topk(logprobs[row], request.sampling_params.logprobs)
-        for value, index in zip(top.values.tolist(), top.indices.tolist()):
-            chosen.setdefault(index, value)
-        result.append(SampledToken(token, chosen))
-    return result
+    return [SampledToken(token, token_logprobs(logprobs[row], token, request.sampling_params.logprobs))
+            for row, (token, request) in enumerate(zip(tokens, requests))]
+
+
+def token_logprobs(row_logprobs: torch.Tensor, token: int, num_top: int | None) -> dict[int, float] | None:
+    """The chosen token's logprob first, then the row's top `num_top` (None: the request asked for none)."""
+    if num_top is None:
+        return None
+    chosen = {token: float(row_logprobs[token])}
+    top = torch.topk(row_logprobs, num_top)
+    for value, index in zip(top.values.tolist(), top.indices.tolist()):
+        chosen.setdefault(index, value)
+    return chosen

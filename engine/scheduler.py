@@ -92,6 +92,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
         self.waiting.add_front(request)
@@ -130,13 +131,21 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for request in decoding + prefilling:
+        for index, request in enumerate(decoding + prefilling):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
+            # drafts are optional: they get what the budget has left after one token for every later
+            # decode, and are dropped before anyone is evicted for their slots
+            spare = budget - max(len(decoding) - index - 1, 0)
+            del request.spec_token_ids[max(spare - 1, 0):]
+            num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
+                if request.spec_token_ids:
+                    num_new -= len(request.spec_token_ids)
+                    request.spec_token_ids = []
+                    continue
                 victim = max(self.running, key=self._victim_key)
                 budget += planned.pop(victim.request_id, 0)
                 self._preempt(victim, out)
@@ -179,13 +188,23 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance progress after a step; returns the requests that received a new token."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
+        """Advance progress after a step; returns the requests that received new tokens.
+
+        A request that verified drafts rolls back over the rejected ones: their KV slots are dead (later
+        steps overwrite them), blocks holding only such slots go back to the pool, and the prefix cache
+        only ever registers blocks of kept tokens.
+        """
         advanced = []
         for request, num_new in out.scheduled:
             request.num_computed_tokens += num_new
-            self.kv.cache_full_blocks(request)
-            if request.num_computed_tokens == request.num_tokens:
-                request.token_ids.append(sampled[request.request_id])
+            if request.num_computed_tokens == request.num_tokens_with_spec:
+                new_tokens = sampled[request.request_id]
+                if request.spec_token_ids:
+                    request.num_computed_tokens -= len(request.spec_token_ids) + 1 - len(new_tokens)
+                    request.spec_token_ids, request.spec_probs = [], None
+                    self.kv.free_tail(request, request.num_tokens + len(new_tokens))
+                request.token_ids.extend(new_tokens)
                 advanced.append(request)
+            self.kv.cache_full_blocks(request)
         return advanced

@@ -16,6 +16,7 @@ for as long as it serves.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -120,6 +121,7 @@ class EngineReplica:
             "prefix_cache_queries": s.prefix_cache_queries,
             "prefix_cache_hits": s.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,
+            "spec_decode": dataclasses.asdict(engine.spec_decode_stats) if engine.spec_decode_stats else None,
             "cached_prefix_hashes": engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
             "healthy": self.engine.dead_error is None,
             "time": time.time(),

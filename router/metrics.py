@@ -28,6 +28,13 @@ class ReplicaStatsCollector:
             "prefix_cache_hits": CounterMetricFamily("kvloom:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["replica"]),
             "num_preemptions": CounterMetricFamily("kvloom:num_preemptions", "Requests preempted by recompute", labels=["replica"]),
         }
+        spec = {  # vLLM's names; only replicas that speculate report them
+            "num_drafts": CounterMetricFamily("kvloom:spec_decode_num_drafts", "Requests given drafted tokens in a step", labels=["replica"]),
+            "num_draft_tokens": CounterMetricFamily("kvloom:spec_decode_num_draft_tokens", "Drafted tokens verified", labels=["replica"]),
+            "num_accepted_tokens": CounterMetricFamily("kvloom:spec_decode_num_accepted_tokens", "Drafted tokens kept", labels=["replica"]),
+        }
+        per_position = CounterMetricFamily("kvloom:spec_decode_num_accepted_tokens_per_pos",
+                                           "Drafted tokens kept, by position in the draft", labels=["replica", "position"])
         for replica in self.table.live():
             s = replica.stats
             gauges["num_requests_running"].add_metric([replica.replica_id], s["num_running"])
@@ -35,8 +42,15 @@ class ReplicaStatsCollector:
             gauges["kv_cache_usage_perc"].add_metric([replica.replica_id], s["kv_cache_usage"])
             for name, family in counters.items():
                 family.add_metric([replica.replica_id], s[name])
+            if s.get("spec_decode"):
+                for name, family in spec.items():
+                    family.add_metric([replica.replica_id], s["spec_decode"][name])
+                for position, count in enumerate(s["spec_decode"]["num_accepted_tokens_per_pos"]):
+                    per_position.add_metric([replica.replica_id, str(position)], count)
         yield from gauges.values()
         yield from counters.values()
+        yield from spec.values()
+        yield per_position
 
 
 class RouterMetrics:

@@ -24,7 +24,7 @@ def request(name: str, prompt_len: int, max_tokens: int, arrival: float | None =
 def step(scheduler: Scheduler) -> list[str]:
     """One step with a pretend model; finishes requests at max_tokens. Returns who ran."""
     out = scheduler.schedule()
-    advanced = scheduler.update_from_output(out, {r.request_id: 1 for r, _ in out.scheduled})
+    advanced = scheduler.update_from_output(out, {r.request_id: [1] for r, _ in out.scheduled})
     for r in advanced:
         if r.num_output_tokens >= r.sampling_params.max_tokens:
             scheduler.finish_request(r, RequestStatus.FINISHED_LENGTH)

@@ -21,7 +21,11 @@ arrival times):
       preempts the worst running one (also deterministic examples below);
   (g) the tokens fed to the model for a request are exactly prompt + generated tokens (all but the
       last sampled), in order, across chunks, preemptions (recompute) and prefix-cache hits, whose
-      skipped tokens are exactly whole cached blocks holding the same tokens.
+      skipped tokens are exactly whole cached blocks holding the same tokens;
+  (h) speculation (drafts of random length and accuracy, from the real `Speculator` with a fake proposer):
+      the fake model verifies them against what it would generate, and the rollback over rejected drafts
+      keeps (b), (d) and (g), never lets the prefix cache hold a rejected token's KV (a later hit would
+      read it), and never yields a token past max_tokens; the outputs stay the reference generation.
 """
 
 import random
@@ -31,11 +35,14 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvloom.engine.config import SpeculativeConfig
 from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.model_proposers import Proposer
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import priority_key
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
+from kvloom.engine.speculative import Speculator
 
 VOCAB = 97  # small, so different requests often generate the same tokens too
 
@@ -84,6 +91,21 @@ class Scenario:
     requests: list[ReqSpec]  # in arrival order
     aborts: list[tuple[int, int]] = field(default_factory=list)  # (step, request index)
     tied_arrivals: bool = False  # arrival_time = arrival step, so requests of one step tie
+    num_speculative_tokens: int = 0  # 0: no speculation
+    draft_seed: int = 0
+
+
+class FakeDraftProposer(Proposer):
+    """Drafts a random number of the tokens the fake model will generate, then a random wrong one or more."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        right = reference_generation(request.token_ids, k)
+        length, correct = self.rng.randint(0, k), self.rng.randint(0, k)
+        return [t if i < correct else (t + 1 + self.rng.randrange(VOCAB - 1)) % VOCAB
+                for i, t in enumerate(right[:length])]
 
 
 @st.composite
@@ -120,8 +142,9 @@ def scenarios(draw, policy=None, with_aborts=True, max_requests=12):
     if with_aborts:
         aborts = draw(st.lists(st.tuples(st.integers(0, 60), st.integers(0, n - 1)), max_size=3))
     tied = draw(st.booleans())
+    num_speculative_tokens = draw(st.sampled_from([0, 0, 1, 3, 6]))
     return Scenario(block_size, num_blocks, max_num_seqs, budget, chunked, prefix_caching, policy,
-                    specs, aborts, tied)
+                    specs, aborts, tied, num_speculative_tokens, draw(st.integers(0, 2**32 - 1)))
 
 
 # ---- the simulator ---------------------------------------------------------------------------------
@@ -146,6 +169,10 @@ class Simulation:
         self.step = 0
         self.total_prefix_hit_tokens = 0
         self.waiter_preemptions = 0  # (f) situations met
+        self.speculator = None
+        if sc.num_speculative_tokens:
+            config = SpeculativeConfig(method="ngram", num_speculative_tokens=sc.num_speculative_tokens)
+            self.speculator = Speculator(config, max_model_len=10**6, proposer=FakeDraftProposer(sc.draft_seed))
         self._instrument_pool()
 
     def _instrument_pool(self) -> None:
@@ -165,9 +192,11 @@ class Simulation:
 
     # -- expected KV --
     def expected(self, r: Request, upto: int) -> list[int]:
+        """KV values of the first `upto` positions of the request's tokens and its drafts."""
         ph = self.prefix_hash[r.request_id]
+        tokens = r.token_ids + r.spec_token_ids
         while len(ph) < upto:
-            ph.append(next_hash(ph[-1] if ph else 0, r.token_ids[len(ph)]))
+            ph.append(next_hash(ph[-1] if ph else 0, tokens[len(ph)]))
         return ph[:upto]
 
     def read_kv(self, r: Request, upto: int) -> list[int | None]:
@@ -229,6 +258,8 @@ class Simulation:
         expected_victim = self.expected_priority_victim()
         preemptions_before = sched.num_preemptions
 
+        if self.speculator is not None:
+            self.speculator.propose(sched.running)
         out = sched.schedule()
 
         # ---- (f) a waiting request outranking a running one preempts it when the batch/pool is full
@@ -250,9 +281,10 @@ class Simulation:
         assert len(out.scheduled) <= sc.max_num_seqs and len(sched.running) <= sc.max_num_seqs
         for r, n in out.scheduled:
             assert r.status == RequestStatus.RUNNING and r in sched.running
-            assert 1 <= n <= r.num_tokens - r.num_computed_tokens
+            assert 1 <= n <= r.num_tokens_with_spec - r.num_computed_tokens
+            assert not r.spec_token_ids or n == r.num_tokens_with_spec - r.num_computed_tokens
             if not sc.chunked:
-                assert n == r.num_tokens - r.num_computed_tokens, "prefill split without chunking"
+                assert n == r.num_tokens_with_spec - r.num_computed_tokens, "prefill split without chunking"
         if out.preempted and expected_victim is None:  # pool pressure: no admissions this step
             assert not (set(planned) - was_running), "admitted in a step that preempted"
 
@@ -291,12 +323,12 @@ class Simulation:
         assert pool.peak_num_used == self.max_used_seen >= pool.num_used
 
         # ---- the fake model: write KV, read it back, sample from what was read
-        sampled: dict[str, int] = {}
+        sampled: dict[str, list[int]] = {}
         for r, n in out.scheduled:
             c = r.num_computed_tokens
             fed = self.fed[r.request_id]
             assert len(fed) == c, "chunk does not start where the last one ended"
-            fed.extend(r.token_ids[c : c + n])
+            fed.extend((r.token_ids + r.spec_token_ids)[c : c + n])
             ph = self.expected(r, c + n)
             for p in range(c, c + n):
                 block = pool.blocks[r.block_ids[p // bs]]
@@ -306,14 +338,31 @@ class Simulation:
             end = r.num_computed_tokens + n
             seen = self.read_kv(r, end)
             assert seen == self.expected(r, end), "model read wrong KV"
-            if end == r.num_tokens:
-                sampled[r.request_id] = seen[-1] % VOCAB
+            if end == r.num_tokens_with_spec:  # (h) verify: keep drafts while they are what it generates
+                drafts = r.spec_token_ids
+                targets = [value % VOCAB for value in seen[end - len(drafts) - 1 :]]
+                kept = 0
+                while kept < len(drafts) and drafts[kept] == targets[kept]:
+                    kept += 1
+                sampled[r.request_id] = targets[: kept + 1]
 
-        advanced = sched.update_from_output(out, dict(sampled))
+        drafted = {r.request_id: len(r.spec_token_ids) for r, _ in out.scheduled}
+        written = {r.request_id: r.num_computed_tokens + n for r, n in out.scheduled}
+        if self.speculator is not None:
+            self.speculator.record(out.scheduled, sampled)
+        advanced = sched.update_from_output(out, sampled)
         assert {r.request_id for r in advanced} == set(sampled)
+        for r, _ in out.scheduled:
+            assert r.spec_token_ids == []
+            del self.prefix_hash[r.request_id][r.num_computed_tokens :]  # rejected drafts' KV is dead
+            del self.fed[r.request_id][r.num_computed_tokens :]
+            if drafted[r.request_id]:  # (d) after a rollback: no block beyond the known tokens' blocks
+                held = min(ceil_div(written[r.request_id], bs), ceil_div(r.num_tokens, bs))
+                assert len(r.block_ids) == kv.num_held(r.request_id) == held
         for position, r in enumerate(advanced):
             # (g) everything but the newest token has been fed, in order
             assert self.fed[r.request_id] == r.token_ids[:-1]
+            assert r.num_output_tokens <= r.sampling_params.max_tokens, "(h) a token past max_tokens"
             self.first_token.setdefault(r.request_id, (self.step, position))
             if r.num_output_tokens >= r.sampling_params.max_tokens:
                 sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
@@ -398,6 +447,10 @@ def record_events(sim: Simulation) -> None:
     event(f"evictions: {sim.kv.pool.num_evictions > 0}")
     if sim.sc.policy == "priority":
         event(f"priority waiter preempted a running request: {sim.waiter_preemptions > 0}")
+    if sim.speculator is not None:
+        stats = sim.speculator.stats
+        event(f"drafts accepted: {0 < stats.num_accepted_tokens}, rejected: "
+              f"{stats.num_accepted_tokens < stats.num_draft_tokens}")
 
 
 # ---- properties -------------------------------------------------------------------------------------
@@ -475,7 +528,7 @@ def step(sched: Scheduler):
     """One step with a dummy model; returns the scheduler output."""
     out = sched.schedule()
     done = [r for r, n in out.scheduled if r.num_computed_tokens + n == r.num_tokens]
-    for r in sched.update_from_output(out, {r.request_id: 7 for r in done}):
+    for r in sched.update_from_output(out, {r.request_id: [7] for r in done}):
         if r.num_output_tokens >= r.sampling_params.max_tokens:
             sched.finish_request(r, RequestStatus.FINISHED_LENGTH)
     return out

@@ -1,0 +1,423 @@
+"""Speculative decoding: drafts change how fast tokens come, never which tokens come.
+
+Greedy outputs with speculation are token-identical to those without, on SmolLM2, under chunked prefill,
+preemption, prefix-cache hits, stop strings, max_tokens and aborts mid-speculation. Sampled outputs keep
+the target's distribution exactly (chi-square tests, fixed seeds), whatever the drafts.
+"""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvloom.engine.config import EngineConfig, SpeculativeConfig
+from kvloom.engine.errors import ConfigError
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.model_proposers import Proposer
+from kvloom.engine.ngram_proposer import NgramProposer
+from kvloom.engine.rejection_sampler import verify
+from kvloom.engine.request import Request
+from kvloom.engine.sampler import sampling_probs
+from kvloom.engine.sampling import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+COPY_TASKS = [
+    "Repeat exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu.",
+    "Rewrite in the passive voice: The cat chased the mouse around the garden twice.",
+    "def add(a, b):\n    return a + b\n\nRename add to plus and show the whole code again.",
+    "List the numbers from 1 to 30 separated by commas.",
+    "Extract every name: Alice met Bob and Carol at the station, then Alice and Bob left for Dover.",
+    "Copy this list and sort it: pear, apple, fig, banana, cherry, apple, kiwi.",
+]
+OPEN_TASKS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is to a beginner.",
+    "Give me a short recipe for pancakes.",
+]
+RAW = ["1, 2, 3, 4, 5, 6, 7, 8,", "The quick brown fox jumps over the lazy dog. The quick brown fox"]
+
+
+def smollm2_engine(smollm2_dir, speculative_config=None, **knobs) -> LLMEngine:
+    return LLMEngine(**{"dtype": "float32", "model": str(smollm2_dir), "max_model_len": 512,
+                        "speculative_config": speculative_config, **knobs})
+
+
+def mixed_params() -> list[SamplingParams]:
+    """max_tokens that end inside an accepted run, stop strings, EOS allowed or not."""
+    return [SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop, ignore_eos=ignore_eos)
+            for max_tokens, stop, ignore_eos in [
+                (48, [], True), (17, [], False), (48, [","], False), (5, [], True), (48, ["Bob"], False),
+                (33, [], False), (48, [], False), (48, ["\n\n"], True), (9, [], True), (48, [], True),
+                (48, ["7"], False), (48, [], False)]]
+
+
+def run(engine: LLMEngine, prompts, params, abort_at: dict[int, str] | None = None):
+    """All prompts as one batch; `abort_at` maps a step to a request id aborted before that step."""
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    finished, step = {}, 0
+    while engine.has_unfinished():
+        if abort_at and step in abort_at:
+            aborted = engine.abort(abort_at[step])
+            assert aborted is not None and aborted.outputs[0].token_ids, "abort only while decoding"
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+    return {rid: (out.outputs[0].token_ids, out.outputs[0].text, out.outputs[0].finish_reason)
+            for rid, out in finished.items()}
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir):
+    engine = smollm2_engine(smollm2_dir, kv_cache_memory_bytes=64 << 20)
+    chats = [engine.apply_chat_template([{"role": "user", "content": t}]) for t in COPY_TASKS + OPEN_TASKS]
+    return chats + [engine.encode(text) for text in RAW]
+
+
+@pytest.fixture(scope="module")
+def without_speculation(smollm2_dir, prompts):
+    return run(smollm2_engine(smollm2_dir, kv_cache_memory_bytes=64 << 20), prompts, mixed_params())
+
+
+METHODS = {
+    "ngram": NGRAM,
+    # SmolLM2 drafting for itself: every draft must be kept
+    "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": "smollm2"},
+    "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 24},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_outputs_equal_decoding_without_speculation(smollm2_dir, prompts, without_speculation, method):
+    engine = smollm2_engine(smollm2_dir, METHODS[method], kv_cache_memory_bytes=64 << 20)
+    assert run(engine, prompts, mixed_params()) == without_speculation
+    stats = engine.spec_decode_stats
+    assert stats.num_accepted_tokens > 50, stats
+    assert stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    if method == "draft_model":
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, stats
+    else:
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_under_chunked_prefill_preemption_prefix_hits_and_aborts(smollm2_dir, prompts, without_speculation,
+                                                                   method):
+    # 20 blocks of 16 tokens for 8 concurrent requests of ~30-60 prompt tokens and up to 48 more:
+    # preemption; chunks of 64 tokens; the second round finds the prompts' blocks in the prefix cache.
+    bytes_per_token = 2 * 30 * 3 * 64 * 4  # K and V, 30 layers, 3 KV heads of 64, float32
+    engine = smollm2_engine(smollm2_dir, METHODS[method], kv_cache_memory_bytes=20 * 16 * bytes_per_token,
+                            max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
+    assert run(engine, prompts, mixed_params()) == without_speculation
+    assert engine.scheduler.num_preemptions > 0
+    assert run(engine, prompts, mixed_params(), abort_at={6: "r0", 9: "r11"}) == {
+        rid: out for rid, out in without_speculation.items() if rid not in ("r0", "r11")}
+    assert engine.kv.stats.hits > 0
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+    engine.speculator.propose([])  # a draft model's cache empties as its requests leave
+    assert getattr(engine.speculator.proposer, "pool", engine.kv.pool).num_used == 0
+
+
+# ---- sampling stays exact -------------------------------------------------------------------------------
+
+
+def request_with_drafts(params: SamplingParams, drafts: list[int], draft_probs=None) -> Request:
+    request = Request("r", [1, 2, 3], params)
+    request.spec_token_ids, request.spec_probs = drafts, draft_probs
+    return request
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of the counts against `probs` (cells expecting fewer than 5 pooled into one): its p-value,
+    the chi-square survival function, is the regularized upper incomplete gamma function."""
+    expected = probs.double() / probs.sum() * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)]).double()
+    expected = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    degrees = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), statistic / 2))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.3, top_p=0.7)],
+    ids=["temperature", "top-k", "top-p"])
+@pytest.mark.parametrize("draft", ["point-mass", "poor-draft-model"])
+def test_rejection_sampling_keeps_the_target_distribution(params, draft):
+    torch.manual_seed(0)
+    vocab, draws = 12, 6000
+    target_logits = torch.randn(3, vocab) * 2  # two drafted positions and the bonus position
+    # a point mass on a likely token (kept sometimes, not always), or a poor draft model whose distribution
+    # has little to do with the target's, its drafts drawn from it
+    fixed = [int(target_logits[0].argmax()), 7]
+    draft_probs = torch.softmax(torch.randn(2, vocab) * 3, -1) if draft == "poor-draft-model" else None
+    generator, draft_generator = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(99)
+    first = torch.zeros(vocab)
+    accepted_first = 0
+    for _ in range(draws):
+        drafts = fixed if draft_probs is None else torch.multinomial(draft_probs, 1, generator=draft_generator)[:, 0].tolist()
+        kept = verify(target_logits, [request_with_drafts(params, drafts, draft_probs)], [generator])[0]
+        first[kept[0].token_id] += 1
+        accepted_first += len(kept) > 1
+    p = sampling_probs(target_logits[0], params)
+    assert chi_square_p(first, p) > 0.01
+    assert first[p == 0].sum() == 0, "a token outside top-k/top-p was sampled"
+    assert 0 < accepted_first < draws  # both the accepting and the rejecting paths ran
+
+
+def test_greedy_verification_keeps_the_agreeing_prefix_and_the_target_token_after_it():
+    logits = torch.full((4, 10), -5.0)
+    for row, token in enumerate([4, 6, 1, 8]):
+        logits[row, token] = 5.0
+    greedy = SamplingParams(temperature=0)
+    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 2])], [torch.Generator()])[0]
+    assert [t.token_id for t in kept] == [4, 6, 1]
+    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 1])], [torch.Generator()])[0]
+    assert [t.token_id for t in kept] == [4, 6, 1, 8]
+
+
+class FixedDrafts(Proposer):
+    """A deliberately poor proposer: the same tokens whatever the context."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+@pytest.mark.parametrize("proposer", ["fixed-drafts", "poor-draft-model"])
+def test_sampled_engine_outputs_keep_the_target_distribution_with_a_poor_proposer(tiny_model_dir, build_tiny_model,
+                                                                                  tmp_path, proposer):
+    """The second output token is the first verified against a draft: over many seeds its distribution
+    is the target's, p(x2) = sum over x1 of p(x1) p(x2 | x1), computed with transformers. The drafts are
+    fixed tokens (a point mass q, as prompt lookup's), or come from another random model (a poor q)."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=40, ignore_eos=True)
+    prompt = [5, 17, 99, 23, 5, 17]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        p1 = sampling_probs(model(torch.tensor([prompt])).logits[0, -1], params)
+        support = p1.nonzero().flatten()
+        rows = torch.tensor([prompt + [int(t)] for t in support])
+        p2_given = torch.stack([sampling_probs(row, params) for row in model(rows).logits[:, -1]])
+    p2 = (p1[support, None] * p2_given).sum(0)
+
+    likely = int(p2.argmax())
+    knobs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_seqs=64)
+    if proposer == "fixed-drafts":
+        engine = LLMEngine(**knobs, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+        engine.speculator.proposer = FixedDrafts([likely, 3])
+    else:
+        draft_dir = build_tiny_model(tmp_path / "draft", seed=1)
+        engine = LLMEngine(**knobs, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                        "model": str(draft_dir)})
+    draws = 3000
+    assert chi_square_p(torch.zeros_like(p2).index_fill_(0, torch.tensor([likely]), draws), p2) < 1e-6  # sanity
+    for seed in range(draws):
+        engine.add_request(f"s{seed}", prompt, params.model_copy(update={"seed": seed}))
+    second = torch.zeros(p2.shape[0])
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                second[out.outputs[0].token_ids[1]] += 1
+    stats = engine.spec_decode_stats
+    assert stats.num_drafts == draws and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert second[p2 == 0].sum() == 0, "a token outside top-k was sampled"
+    assert chi_square_p(second, p2) > 0.01
+
+
+@pytest.mark.parametrize("config", [
+    NGRAM,
+    {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1},
+    {"method": "draft_model", "num_speculative_tokens": 3, "model": None},  # the target itself
+], ids=["ngram", "layer_skip", "draft_model"])
+def test_a_disaggregated_decode_engine_speculates_over_imported_kv(tiny_model_dir, config):
+    """A decode replica adopts a request whose prompt KV came from a prefill replica, then speculates."""
+    from kvloom.engine.kv_handoff import export_kv, import_kv
+
+    if config["method"] == "draft_model":
+        config = {**config, "model": str(tiny_model_dir)}
+    make = lambda spec=None: LLMEngine(model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=8 << 20,  # noqa: E731
+                                       dtype="float32", speculative_config=spec)
+    colocated, prefill, decode = make(), make(), make(config)
+    prompt = [5, 17, 99, 23, 5, 17, 99, 23, 5, 17, 42, 8, 5, 17, 99]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = run(colocated, [prompt], [params])["r0"]
+
+    request = prefill.make_request("p", prompt, params.model_copy(update={"max_tokens": 1}))
+    request.park_kv = True
+    prefill.add_prepared(request)
+    while prefill.has_unfinished():
+        first = prefill.step()
+    _, payload = export_kv(prefill, "p")
+    assert import_kv(decode, decode.make_request("r0", prompt, params), first[0].outputs[0].token_ids[0], payload)
+    prefill.release_parked("p")
+    assert run(decode, [], [])["r0"][0] == expected[0]  # (its text starts after the first token, sent by prefill)
+    assert decode.spec_decode_stats.num_drafts > 0
+    assert decode.stats().num_free_blocks == decode.stats().num_blocks
+
+
+# ---- what is and is not speculated --------------------------------------------------------------------
+
+
+def test_disable_by_batch_size_switches_drafting_off_for_large_batches(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
+                       speculative_config={**NGRAM, "disable_by_batch_size": 2})
+    engine.speculator.proposer = FixedDrafts([7, 7])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"r{i}", [10 + i, 11, 12], params)
+    engine.step()  # prefills
+    engine.step()  # three decoding: above the limit
+    assert engine.spec_decode_stats.num_drafts == 0
+    engine.abort("r2")
+    engine.step()
+    assert engine.spec_decode_stats.num_drafts == 2
+
+
+def test_requests_whose_logits_are_adjusted_are_not_speculated_on(tiny_model_dir):
+    engine = LLMEngine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24,
+                       speculative_config=NGRAM)
+    engine.speculator.proposer = FixedDrafts([7, 7, 7])
+    for i, params in enumerate([SamplingParams(max_tokens=8, temperature=0, presence_penalty=1.0),
+                                SamplingParams(max_tokens=8, temperature=0, logit_bias={7: 5.0}),
+                                SamplingParams(max_tokens=8, temperature=0, min_tokens=4)]):
+        engine.add_request(f"r{i}", [10, 11, 12], params)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.spec_decode_stats.num_drafts == 0
+
+
+class OracleDrafts(Proposer):
+    """A perfect proposer: drafts what greedy decoding without speculation produced."""
+
+    def __init__(self, prompt_len: int, outputs: dict[tuple[int, ...], list[int]]) -> None:
+        self.prompt_len, self.outputs = prompt_len, outputs
+
+    def propose(self, request: Request, k: int) -> list[int]:
+        token_ids = request.token_ids
+        produced = len(token_ids) - self.prompt_len
+        return self.outputs[tuple(token_ids[: self.prompt_len])][produced : produced + k]
+
+
+def test_drafts_never_run_past_max_tokens(tiny_model_dir):
+    rng = random.Random(0)
+    prompts = {max_tokens: [rng.randrange(3, 512) for _ in range(20)] for max_tokens in range(1, 12)}
+    knobs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24)
+    plain = LLMEngine(**knobs)
+    params = {n: SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in prompts}
+    expected = {tuple(prompt): run(plain, [prompt], [params[n]])["r0"][0] for n, prompt in prompts.items()}
+
+    engine = LLMEngine(**knobs, speculative_config=NGRAM)
+    engine.speculator.proposer = OracleDrafts(20, expected)
+    for n, prompt in prompts.items():
+        engine.add_request(f"r{n}", prompt, params[n])
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert len(out.outputs[0].token_ids) <= int(out.request_id[1:])
+            if out.finished:
+                assert out.outputs[0].token_ids == expected[tuple(out.prompt_token_ids)]
+    stats = engine.spec_decode_stats
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_a_draft_model_must_share_the_target_vocabulary(smollm2_dir, tiny_model_dir):
+    with pytest.raises(ConfigError, match="vocabulary") as info:
+        smollm2_engine(smollm2_dir, {"method": "draft_model", "num_speculative_tokens": 2, "model": str(tiny_model_dir)},
+                       kv_cache_memory_bytes=64 << 20)
+    assert info.value.key == "speculative_config.model"
+
+
+def test_layer_skip_needs_fewer_layers_than_the_target_and_the_fused_decoder(tiny_model_dir):
+    config = {"method": "layer_skip", "num_speculative_tokens": 2, "draft_layers": 2}
+    knobs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24)
+    with pytest.raises(ConfigError, match="at most 1") as info:
+        LLMEngine(**knobs, speculative_config=config)
+    assert info.value.key == "speculative_config.draft_layers"
+    with pytest.raises(ConfigError, match="fused decoder"):
+        LLMEngine(**knobs, model_impl="transformers", speculative_config={**config, "draft_layers": 1})
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model"),
+    ({"method": "layer_skip", "num_speculative_tokens": 3}, "draft_layers"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+])
+def test_speculative_config_errors_name_the_field(config, field):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(speculative_config=config)
+
+
+def test_ngram_lookup_defaults_follow_vllm():
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (3, 3)
+
+
+def brute_force_lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for end in range(len(tokens) - 2, n - 2, -1):  # latest earlier occurrence first
+            if tokens[end - n + 1 : end + 1] == suffix:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), max_size=40), st.integers(1, 6), st.integers(1, 4), st.integers(0, 3))
+def test_ngram_lookup_proposes_what_followed_the_latest_longest_match(tokens, k, min_n, extra):
+    max_n = min_n + extra
+    assert NgramProposer(min_n, max_n).lookup(tokens, k) == brute_force_lookup(tokens, k, min_n, max_n)
+
+
+# ---- served ---------------------------------------------------------------------------------------------
+
+SERVED = {"kv_cache_memory_bytes": 128 << 20, "max_model_len": 512, "max_num_seqs": 8, "dtype": "float32"}
+
+
+@pytest.mark.slow
+def test_served_streams_with_speculation_equal_offline_greedy_and_metrics_count_drafts(ray_serve, deploy_app,
+                                                                                       smollm2_dir):
+    import httpx
+    import openai
+
+    from kvloom.cluster.config import ClusterConfig
+
+    deploy_app(ClusterConfig.model_validate(
+        {"engine": {**SERVED, "speculative_config": NGRAM}, "num_replicas": 1}))
+    client = openai.OpenAI(base_url=f"{ray_serve}/v1", api_key="unused", timeout=120, max_retries=0)
+    offline = LLMEngine(model=str(smollm2_dir), **SERVED)
+    for task in COPY_TASKS[:3]:
+        messages = [{"role": "user", "content": task}]
+        stream = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=48, temperature=0,
+                                                stream=True)
+        chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+        expected = run(offline, [offline.apply_chat_template(messages)], [SamplingParams(max_tokens=48, temperature=0)])
+        assert "".join(chunks) == expected["r0"][1]
+        assert len([c for c in chunks if c]) < len(expected["r0"][0])  # some chunks carry several tokens
+
+    values = {}
+    for line in httpx.get(f"{ray_serve}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    drafted = sum(v for k, v in values.items() if k.startswith("kvloom:spec_decode_num_draft_tokens_total"))
+    accepted = sum(v for k, v in values.items() if k.startswith("kvloom:spec_decode_num_accepted_tokens_total"))
+    by_position = sum(v for k, v in values.items()
+                      if k.startswith("kvloom:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert drafted > accepted > 0 and by_position == accepted
