@@ -9,7 +9,7 @@ import os
 import platform
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -29,8 +29,10 @@ RESERVE_S = 60.0  # under a time budget, what each system still to come is guara
 
 
 def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT_HF_BATCHES,
-                 hf_static_batches: int | None = None, peer_requests: int | None = None) -> list[SystemSpec]:
-    """kvloom's reference strategy, the peers, then the other strategies.
+                 hf_static_batches: int | None = None, peer_requests: int | None = None,
+                 speculative_config: dict | None = None) -> list[SystemSpec]:
+    """kvloom's reference strategy, the peers, then the other strategies; with `speculative_config`, every
+    kvloom engine and vLLM's offline engine speculate with it (the HTTP peers and HF do not).
 
     Peers are slow on CPU; to fit a time budget they may replay a stated prefix of the workload:
     hf-static-B the first `hf_static_batches` x B requests (whole batches), hf-cb the first
@@ -48,12 +50,16 @@ def make_systems(strategies: list[str], peers: list[str], hf_batch_sizes=DEFAULT
                               num_requests=hf_static_batches and hf_static_batches * b) for b in hf_batch_sizes]
     others += external_systems([p for p in peers if p in EXTERNAL_KINDS])
     # Under a time budget, what runs first is what is sure to finish: the reference, then the peers.
-    return [s for s in kvloom if s.name == REFERENCE] + others + [s for s in kvloom if s.name != REFERENCE]
+    ordered = [s for s in kvloom if s.name == REFERENCE] + others + [s for s in kvloom if s.name != REFERENCE]
+    if speculative_config:
+        ordered = [replace(s, engine={**s.engine, "speculative_config": speculative_config})
+                   if s.kind in ("kvloom", "vllm") else s for s in ordered]
+    return ordered
 
 
 def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     """Greedy outputs of every system against kvloom continuous (else the first kvloom system, else the
-    first system), on the requests both finished; a system pinned to a dtype is compared with the kvloom
+    first system), on the requests both finished; a system pinned to a dtype is compared with the first kvloom
     system pinned to the same one where there is such (vLLM float32 against kvloom float32).
 
     fp32 sums in a different order (other batch shapes, padding) can flip a near-tie argmax, after
@@ -63,7 +69,10 @@ def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     if not finished:
         return {}
     default = min(finished, key=lambda r: (r.spec.name != REFERENCE, r.spec.kind != "kvloom"))
-    pinned = {r.spec.engine["dtype"]: r for r in finished if r.spec.kind == "kvloom" and "dtype" in r.spec.engine}
+    pinned = {}
+    for r in finished:
+        if r.spec.kind == "kvloom" and "dtype" in r.spec.engine:
+            pinned.setdefault(r.spec.engine["dtype"], r)
     report = {}
     for result in finished:
         reference = pinned.get(result.spec.engine.get("dtype"), default) if result.spec.kind != "kvloom" else default

@@ -28,6 +28,7 @@ class BenchOptions:
     hf_static_batches: int | None = None
     peer_requests: int | None = None
     sweep: str | None = None  # "max_num_seqs=1,4,16,64,256"
+    speculative_config: dict | None = None  # for every kvloom engine and vLLM offline
     tpot_budget_ms: float = 250.0
     roofline: bool = True
     budget_s: float | None = None  # for each run (each rate): systems past their share are stopped, flagged
@@ -64,7 +65,7 @@ def run_bench(options: BenchOptions) -> Path:
         label = options.workload + (f" @ {rate:g} req/s" if rate is not None else "")
         systems = (sweep_systems(*sweep, strategy) if sweep else
                    make_systems(options.strategies, options.peers, options.hf_batch_sizes, options.hf_static_batches,
-                                options.peer_requests))
+                                options.peer_requests, options.speculative_config))
         runs.append(run_systems(workload, systems, settings, out / _slug(label), label, options.budget_s))
     doc = {"title": runs[0]["label"] if len(runs) == 1 else options.workload,
            "environment": environment(settings), "runs": runs, "roofline_system": strategy}

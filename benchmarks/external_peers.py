@@ -75,10 +75,12 @@ def vllm_env(settings: BenchSettings) -> dict[str, str]:
 
 
 def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Path, settings: BenchSettings,
-                         dtype: str, max_model_len: int) -> list[str]:
+                         dtype: str, max_model_len: int, speculative_config: dict | None = None) -> list[str]:
     command = [str(python), str(HERE / "peer_drivers" / "vllm_offline.py"), str(workload), str(model_dir), str(out),
                "--dtype", dtype, "--max-num-seqs", str(settings.max_num_seqs),
                "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--max-model-len", str(max_model_len)]
+    if speculative_config:
+        command += ["--speculative-config", json.dumps(speculative_config)]
     return command + ([] if settings.enable_prefix_caching else ["--no-prefix-caching"])
 
 
@@ -118,15 +120,16 @@ def kvloom_serve_command(config: Path) -> list[str]:
 
 
 def parse_vllm_offline(doc: dict, workload: Workload) -> tuple[list[RequestRecord], float]:
-    """The offline driver's document as records: all requests arrive at 0 and finish by the wall time
-    (the offline `generate` reports no per-token times)."""
+    """The offline driver's document as records: all requests arrive at 0; first and last token times are
+    vLLM's own per-request stats where the driver has them (else both are the wall time)."""
     wall = float(doc["wall_s"])
     outputs = doc["outputs"]
     missing = [r.request_id for r in workload.requests if r.request_id not in outputs]
     if missing:
         raise ValueError(f"vLLM's output lacks {len(missing)} request(s), first {missing[0]}")
-    return [RequestRecord(r.request_id, len(r.prompt), list(outputs[r.request_id]), 0.0, wall, wall)
-            for r in workload.requests], wall
+    times = doc.get("times", {})
+    return [RequestRecord(r.request_id, len(r.prompt), list(outputs[r.request_id]), 0.0,
+                          *times.get(r.request_id, (wall, wall))) for r in workload.requests], wall
 
 
 def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
@@ -174,7 +177,8 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     out = out_dir / "vllm-output.json"
     out.unlink(missing_ok=True)
     command = vllm_offline_command(install.executable, workload_path, resolve_model_dir(settings.model), out,
-                                   settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload))
+                                   settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload),
+                                   spec.engine.get("speculative_config"))
     start = time.monotonic()
     with (out_dir / "log.txt").open("w") as log:
         process = subprocess.Popen(command, env={**os.environ, **vllm_env(settings)}, stdout=log, stderr=log,
@@ -188,8 +192,11 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     if process.returncode != 0 or not out.exists():
         return SystemResult(spec, f"error: exit code {process.returncode} (see {out_dir / 'log.txt'})", None, [], {},
                             time.monotonic() - start)
-    records, wall = parse_vllm_offline(json.loads(out.read_text()), workload)
-    return _result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
+    doc = json.loads(out.read_text())
+    records, wall = parse_vllm_offline(doc, workload)
+    result = _result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
+    result.metrics.spec_decode = doc.get("spec_decode")
+    return result
 
 
 def _server(spec: SystemSpec, settings: BenchSettings, workload: Workload, port: int, scratch: Path):

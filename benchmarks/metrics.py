@@ -122,6 +122,7 @@ class RunMetrics:
     forward_fraction: float | None = None  # model forward (runner.execute) / step wall time
     cpu_s: float | None = None  # process CPU time during the run: less sensitive to neighbours than wall time
     load_avg: float | None = None  # the machine's 1-minute load average at the end of the run
+    spec_decode: dict | None = None  # speculative decoding's counters (vLLM's names), when it ran
     notes: list[str] = field(default_factory=list)
 
     @classmethod
@@ -129,6 +130,14 @@ class RunMetrics:
         """Inverse of `dataclasses.asdict`, for results read back from JSON."""
         latency = {k: LatencyStats(**data[k]) if data[k] else None for k in ("ttft", "tpot", "itl", "e2e")}
         return cls(**{**data, **latency})
+
+
+def acceptance(spec_decode: dict | None) -> tuple[float, float] | None:
+    """(acceptance rate, mean accepted length: tokens a verifying step yields per request) of the counters."""
+    if not spec_decode or not spec_decode.get("num_drafts"):
+        return None
+    return (spec_decode["num_accepted_tokens"] / spec_decode["num_draft_tokens"],
+            1 + spec_decode["num_accepted_tokens"] / spec_decode["num_drafts"])
 
 
 def summarize(system: str, records: list[RequestRecord], wall_s: float, batch: BatchCounters | None = None,

@@ -6,9 +6,10 @@ sleeps until the next arrival when idle. Every step is timed, and so is the mode
 (`runner.execute`), which is what separates engine overhead from model time.
 """
 
+import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from kvloom.benchmarks.harness import STRATEGIES
 from kvloom.benchmarks.metrics import BatchCounters, RequestRecord
@@ -16,7 +17,6 @@ from kvloom.benchmarks.workloads import Workload
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
-
 
 
 def strategy_config(strategy: str, workload: Workload, **settings) -> EngineConfig:
@@ -81,6 +81,7 @@ class ReplayResult:
     prefix_hit_rate: float | None = None
     preemptions: int = 0
     kv_usage_peak: float = 0.0
+    spec_decode: dict | None = None
 
     @property
     def kv_usage_mean(self) -> float:
@@ -108,6 +109,7 @@ def replay(engine: LLMEngine, workload: Workload,
     """Drive `engine` through `workload` in real time; greedy, EOS ignored, outputs forced to max_tokens."""
     timer = ForwardTimer(engine)
     before = engine.stats()
+    spec_before = copy.deepcopy(engine.spec_decode_stats)
     pending = sorted(workload.requests, key=lambda r: r.arrival_s, reverse=True)
     token_times: dict[str, list[float]] = {}
     records: list[RequestRecord] = []
@@ -162,4 +164,5 @@ def replay(engine: LLMEngine, workload: Workload,
         prefix_hit_rate=(after.prefix_cache_hits - before.prefix_cache_hits) / queries if queries else None,
         preemptions=after.num_preemptions - before.num_preemptions,
         kv_usage_peak=after.peak_used_blocks / after.num_blocks,
+        spec_decode=asdict(engine.spec_decode_stats.since(spec_before)) if spec_before else None,
     )

@@ -8,12 +8,15 @@ from pathlib import Path
 
 import numpy as np
 
+from kvloom.benchmarks.metrics import acceptance
+
 LATENCIES = ("ttft", "tpot", "e2e")
 COLUMNS = ("<sub>mean batch: requests computed per step; idle: slot-steps held by finished members of a batch "
            "(static/dynamic wait for the longest; hf-static computes them) over all held slot-steps; padding: "
            "prompt padding to the batch's longest prompt over padded + real prompt tokens (hf-static computes it, "
            "kvloom only counts it); KV: share of the KV budget in use per step, mean / peak; CPU s: process CPU "
-           "time of the run (both threads; 2 per wall second on an idle machine); load: 1-minute load average at its end (the machine is shared); outputs equal: "
+           "time of the run (both threads; 2 per wall second on an idle machine); load: 1-minute load average at its end (the machine is shared); "
+           "spec accept / len: drafted tokens accepted / tokens a verifying step yields per request; outputs equal: "
            "greedy outputs identical to the reference, over the requests both ran.</sub>")
 
 
@@ -60,11 +63,17 @@ def cpu_efficiency(m: dict) -> float | None:
     return m["output_tokens"] / m["cpu_s"] if m.get("cpu_s") else None
 
 
+def spec_cell(m: dict) -> str:
+    """Speculative decoding's acceptance rate and mean accepted length, or a dash where it did not run."""
+    rate_length = acceptance(m.get("spec_decode"))
+    return f"{rate_length[0]:.0%} / {rate_length[1]:.2f}" if rate_length else "–"
+
+
 def results_table(run: dict) -> str:
     """One row per system: throughput, latency percentiles, batch efficiency, memory, output check."""
     head = ("| system | status | req | out tok/s | total tok/s | req/s | TTFT p50/p90/p99 s | "
             "TPOT p50/p90/p99 ms | E2E p50/p90/p99 s | mean batch | idle | padding | KV mean/peak | "
-            "prefix hit | preempt | peak RSS MB | CPU s | out tok per CPU s | load | outputs equal |")
+            "prefix hit | preempt | spec accept / len | peak RSS MB | CPU s | out tok per CPU s | load | outputs equal |")
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in run["results"]:
         m = r["metrics"]
@@ -78,20 +87,20 @@ def results_table(run: dict) -> str:
             f"{m['requests_s']:.3f} | {lat[0]} | {lat[1]} | {lat[2]} | {_fmt(m['mean_batch_size'], '.1f')} | "
             f"{_pct(m['idle_ratio'])} | {_pct(m['padding_ratio'])} | "
             f"{_pct(m['kv_usage_mean'])} / {_pct(m['kv_usage_peak'])} | {_pct(m['prefix_hit_rate'])} | "
-            f"{_fmt(m['preemptions'], 'd')} | {_fmt(m['peak_rss_mb'], '.0f')} | {_fmt(m.get('cpu_s'), '.0f')} | "
+            f"{_fmt(m['preemptions'], 'd')} | {spec_cell(m)} | {_fmt(m['peak_rss_mb'], '.0f')} | {_fmt(m.get('cpu_s'), '.0f')} | "
             f"{_fmt(cpu_efficiency(m), '.1f')} | {_fmt(m.get('load_avg'), '.1f')} | {_match(run, name)} |")
     return "\n".join(rows)
 
 
 def headline_table(run: dict) -> str:
     """The short table (for a README): throughput and the latencies users feel, per system."""
-    rows = ["| system | requests | output tok/s | total tok/s | TTFT p50 s | TPOT p50 / p99 ms | mean batch |",
-            "|---|---|---|---|---|---|---|"]
+    rows = ["| system | requests | output tok/s | total tok/s | TTFT p50 s | TPOT p50 / p99 ms | mean batch | "
+            "spec accept / len |", "|---|---|---|---|---|---|---|---|"]
     for r in _ok(run):
         m = r["metrics"]
         rows.append(f"| {r['spec']['name']} | {m['num_requests']} | {m['output_tok_s']:.1f} | {m['total_tok_s']:.1f} | "
                     f"{_lat(m['ttft'], 'p50', ms=False)} | {_lat(m['tpot'], 'p50', ms=True)} / "
-                    f"{_lat(m['tpot'], 'p99', ms=True)} | {_fmt(m['mean_batch_size'], '.1f')} |")
+                    f"{_lat(m['tpot'], 'p99', ms=True)} | {_fmt(m['mean_batch_size'], '.1f')} | {spec_cell(m)} |")
     return "\n".join(rows)
 
 

@@ -197,12 +197,85 @@ def shared_prefix(corpus: TokenCorpus, rng: np.random.Generator, num_requests: i
     return _build("shared", corpus, rng, suffixes, outputs, np.zeros(num_requests), prefix)
 
 
+_NOUNS = """system model memory cache token request batch server engine network kernel layer block queue
+value design data signal process river mountain city market music history science language water light garden
+window letter story question answer problem reason number table paper voice school family country house""".split()
+_VERBS = "moved found kept opened carried wrote followed changed checked watched built answered".split()
+_ADJECTIVES = "small old quiet bright long busy empty new slow careful green heavy".split()
+_PLACES = "near the, behind the, under the, after the, beside the, across the".split(", ")
+
+
+def _plain_sentences(rng: np.random.Generator, num_sentences: int) -> str:
+    """Grammatical sentences ("The busy server kept the old letter near the river."): text a small model
+    copies the way it would copy real prose, which word salad is not."""
+    pick = lambda words: words[int(rng.integers(len(words)))]  # noqa: E731
+    sentences = [f"The {pick(_ADJECTIVES)} {pick(_NOUNS)} {pick(_VERBS)} the {pick(_NOUNS)} "
+                 f"{pick(_PLACES)} {pick(_NOUNS)}." for _ in range(num_sentences)]
+    return " ".join(sentences)
+
+
+def _typos(rng: np.random.Generator, text: str, rate: float = 0.03) -> str:
+    """`text` with about `rate` of its words misspelt (two letters swapped): what a rewrite fixes."""
+    words = text.split(" ")
+    for i in np.flatnonzero(rng.random(len(words)) < rate):
+        w = words[i]
+        if len(w) > 3 and w.isalpha():
+            j = int(rng.integers(len(w) - 1))
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def _synthetic_code(rng: np.random.Generator, num_functions: int) -> str:
+    """Python functions built from the corpus words: loops, arithmetic and calls that look like code."""
+    names = [w for w in _WORDS if w.isalpha() and len(w) > 2]
+    pick = lambda k: [names[i] for i in rng.choice(len(names), k, replace=False)]  # noqa: E731
+    functions = []
+    for _ in range(num_functions):
+        fn, a, b, acc, item = pick(5)
+        body = [f"def {fn}_{a}({a}, {b}):", f'    """Return the {acc} of every {item} in {a}."""', f"    {acc} = 0",
+                f"    for {item} in {a}:"]
+        for _ in range(int(rng.integers(1, 4))):
+            op = ["+=", "-=", "*="][int(rng.integers(3))]
+            body.append(f"        {acc} {op} {item} * {b} + {int(rng.integers(1, 100))}")
+        body += [f"    if {acc} > {b}:", f"        return {acc} - {b}", f"    return {acc}"]
+        functions.append("\n".join(body))
+    return "\n\n\n".join(functions)
+
+
+def copy_heavy(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int = 32,
+               passage_words: tuple[int, int] = (80, 240)):
+    """Answers that largely repeat the prompt: rewrite (fix typos in a passage), extract (copy the
+    matching lines of a table) and code edit (rename a variable in a file), in turn. Text prompts in a
+    completion format any model follows; max_tokens is about the answer's length (4 characters a token).
+    The corpus is unused: the passages are generated text, so the answer's source is in the prompt."""
+    requests = []
+    for i in range(num_requests):
+        kind = ("rewrite", "extract", "code")[i % 3]
+        if kind == "rewrite":
+            answer = _plain_sentences(rng, int(rng.integers(*passage_words)) // 9)
+            prompt = f"Rewrite the text below, fixing the spelling mistakes.\n\nText:\n{_typos(rng, answer)}\n\nRewritten text:\n"
+        elif kind == "extract":
+            cities = ["river", "mountain", "garden", "market"]
+            rows = [f"{j + 1}. name: {_WORDS[w]}, city: {cities[int(rng.integers(4))]}, year: {int(rng.integers(1900, 2030))}"
+                    for j, w in enumerate(rng.integers(len(_WORDS), size=int(rng.integers(*passage_words)) // 8))]
+            answer = "\n".join(r for r in rows if "city: river" in r)
+            prompt = f"Copy the records whose city is river, unchanged.\n\nRecords:\n" + "\n".join(rows) + "\n\nRecords in river:\n"
+        else:
+            code = _synthetic_code(rng, int(rng.integers(2, 5)))
+            old = code.split("(")[1].split(",")[0]
+            answer = code.replace(old, old + "_list")
+            prompt = f"Rename `{old}` to `{old}_list` in this code and return the whole file.\n\n```python\n{code}\n```\n\nThe whole file:\n```python\n"
+        requests.append(WorkloadRequest(f"copy-{i}", prompt, max(16, len(answer) // 4)))
+    return requests
+
+
 GENERATORS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "offline-mixed": offline_mixed,
     "chat": chat,
     "long-prefill": long_prefill,
     "shared-prefix": shared_prefix,
     "single-stream": single_stream,
+    "copy-heavy": copy_heavy,
 }
 
 

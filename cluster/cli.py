@@ -1,6 +1,7 @@
 """The `kvloom` command line."""
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -91,6 +92,7 @@ def _bench(args: argparse.Namespace) -> int:
             strategies=args.strategies, peers=args.peers, hf_batch_sizes=args.hf_batch_sizes,
             hf_static_batches=args.hf_static_batches or None, peer_requests=args.peer_requests or None,
             sweep=args.sweep, tpot_budget_ms=args.tpot_budget_ms, roofline=not args.no_roofline,
+            speculative_config=args.speculative_config,
             budget_s=args.budget_min * 60 or None, out=Path(args.out) if args.out else None, settings=settings,
         ))
     print(f"report: {path}")
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="hf-cb replays the first N requests (default 32; 0: the whole workload)")
     bench.add_argument("--sweep", default=None, help="sweep one knob instead, e.g. max_num_seqs=1,4,16,64,256")
     bench.add_argument("--tpot-budget-ms", type=float, default=250.0, help="p99 TPOT budget for --sweep's pick")
+    bench.add_argument("--speculative-config", type=json.loads, default=None,
+                       help='speculation for every kvloom engine and vLLM offline, JSON in vLLM\'s shape, e.g. '
+                            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' '
+                            '(acceptance is reported; python -m kvloom.benchmarks.speculation runs the full study)')
     bench.add_argument("--model", default="smollm2")
     bench.add_argument("--threads", type=int, default=2, help="torch threads, the same for every system")
     bench.add_argument("--max-num-seqs", type=int, default=64)

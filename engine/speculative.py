@@ -39,6 +39,13 @@ class SpecDecodeStats:
         """Tokens a verifying step yields per request: the kept drafts plus the target's own token."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
+    def since(self, earlier: "SpecDecodeStats") -> "SpecDecodeStats":
+        """The counts added after `earlier` was taken (a copy of these stats at that time)."""
+        return SpecDecodeStats(self.num_drafts - earlier.num_drafts, self.num_draft_tokens - earlier.num_draft_tokens,
+                               self.num_accepted_tokens - earlier.num_accepted_tokens,
+                               [a - b for a, b in zip(self.num_accepted_tokens_per_pos,
+                                                      earlier.num_accepted_tokens_per_pos)])
+
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer) -> None:

@@ -78,7 +78,8 @@ def test_output_comparison_reports_where_outputs_diverge():
 
 
 # ---- workloads ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["offline-mixed", "chat", "long-prefill", "shared-prefix", "single-stream"])
+@pytest.mark.parametrize("name", ["offline-mixed", "chat", "long-prefill", "shared-prefix", "single-stream",
+                                  "copy-heavy"])
 def test_workloads_are_seeded_and_reproducible(corpus, name):
     a, b = make_workload(name, corpus, seed=3), make_workload(name, corpus, seed=3)
     assert a.requests == b.requests
@@ -122,6 +123,21 @@ def test_long_prefill_and_shared_prefix_shapes(corpus):
     shared = make_workload("shared-prefix", corpus, num_requests=8)
     prefix = shared.requests[0].prompt[:1024]
     assert all(r.prompt[:1024] == prefix and 16 <= len(r.prompt) - 1024 <= 128 for r in shared.requests)
+
+
+def test_copy_heavy_answers_are_in_their_prompts(corpus):
+    """Rewrite, extract and code edit in turn; what each answer copies is in its prompt, and max_tokens
+    is about the answer's length."""
+    w = make_workload("copy-heavy", corpus, num_requests=6)
+    kinds = [r.prompt.split(" ", 1)[0] for r in w.requests]
+    assert kinds == ["Rewrite", "Copy", "Rename"] * 2
+    rewrite, extract, code = w.requests[:3]
+    passage = rewrite.prompt.split("Text:\n")[1].split("\n\nRewritten text:")[0]
+    assert passage.startswith("The ") and passage.count(".") >= 8
+    records = extract.prompt.split("Records:\n")[1].split("\n\n")[0].splitlines()
+    assert any("city: river" in r for r in records) and any("city: river" not in r for r in records)
+    assert code.prompt.count("def ") >= 2 and code.prompt.endswith("```python\n")
+    assert all(16 <= r.max_tokens <= len(r.prompt) // 3 for r in w.requests)
 
 
 def test_workload_jsonl_round_trip(tmp_path, corpus):

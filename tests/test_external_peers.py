@@ -73,6 +73,22 @@ def test_the_offline_driver_output_becomes_one_record_per_request():
     assert records[1].finished == 2.5
 
 
+def test_vllm_takes_the_same_speculative_config_as_json():
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    command = peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8, config)
+    assert json.loads(flag(command, "--speculative-config")) == config
+    assert "--speculative-config" not in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"),
+                                                                    SETTINGS, "float32", 8)
+
+
+def test_vllms_own_token_times_give_each_request_its_ttft_and_tpot():
+    doc = {"wall_s": 2.5, "outputs": {"w1-0": [3, 4, 5, 6], "w1-1": [1, 2]},
+           "times": {"w1-0": [0.5, 0.8], "w1-1": [1.0, 2.5]}}
+    first, second = peers.parse_vllm_offline(doc, WORKLOAD)[0]
+    assert (first.ttft, first.finished) == (0.5, 0.8) and first.tpot == pytest.approx(0.1)
+    assert (second.ttft, second.tpot) == (1.0, 1.5)
+
+
 def test_a_request_missing_from_the_driver_output_is_an_error():
     with pytest.raises(ValueError, match="w1-1"):
         peers.parse_vllm_offline({"wall_s": 1.0, "outputs": {"w1-0": [1]}}, WORKLOAD)

@@ -2,13 +2,29 @@
 
 Standalone on purpose (it imports vLLM, never kvloom: the two pin different torch and transformers).
 Reads the workload's JSONL (token-id prompts), generates greedily with EOS ignored, and writes one JSON
-document: wall time of `generate`, and every request's generated token ids.
+document: wall time of `generate`, every request's generated token ids and, from vLLM's own per-request
+stats, when its first and last tokens came (engine-core monotonic clock, the same as this process's), and
+vLLM's speculative-decoding counters when `--speculative-config` (vLLM's JSON) is given.
     python vllm_offline.py WORKLOAD.jsonl MODEL_DIR OUT.json --dtype bfloat16 --max-num-seqs 64 ...
 """
 
 import argparse
 import json
 import time
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def spec_decode_counters(metrics) -> dict:
+    """vLLM's speculative-decoding counters (and per-position acceptance) from `LLM.get_metrics()`."""
+    found = {}
+    for metric in metrics:
+        if metric.name in SPEC_COUNTERS:
+            found[metric.name.removeprefix("vllm:spec_decode_")] = int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            found["num_accepted_tokens_per_pos"] = [int(v) for v in metric.values]
+    return found
 
 
 def main() -> None:
@@ -21,6 +37,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--speculative-config", type=json.loads, default=None)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -31,15 +48,19 @@ def main() -> None:
     load_start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching, seed=0)
+              enable_prefix_caching=not args.no_prefix_caching, seed=0,
+              speculative_config=args.speculative_config, disable_log_stats=False)
     load_s = time.perf_counter() - load_start
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
-    start = time.perf_counter()
+    start = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall = time.monotonic() - start
     result = {"load_s": load_s, "wall_s": wall,
-              "outputs": {r["request_id"]: list(o.outputs[0].token_ids) for r, o in zip(requests, outputs)}}
+              "outputs": {r["request_id"]: list(o.outputs[0].token_ids) for r, o in zip(requests, outputs)},
+              "times": {r["request_id"]: [o.metrics.first_token_ts - start, o.metrics.last_token_ts - start]
+                        for r, o in zip(requests, outputs) if o.metrics is not None},
+              "spec_decode": spec_decode_counters(llm.get_metrics()) if args.speculative_config else None}
     with open(args.out, "w") as f:
         json.dump(result, f)
 
