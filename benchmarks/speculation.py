@@ -29,7 +29,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 RUNS_DIR = Path(__file__).resolve().parent / "out" / "speculation"  # each system's records and logs
 BATCH_SIZES = (1, 4, 16, 64)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-SWITCH = 8  # disable_by_batch_size for kvloom's n-gram: above it the verifying steps cost more than they save
+SWITCH = 32  # disable_by_batch_size for kvloom's n-gram: above it a verifying step costs more than it saves
 METHODS = {
     "ngram": {**NGRAM, "disable_by_batch_size": SWITCH},
     "ngram-always": NGRAM,
