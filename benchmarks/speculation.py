@@ -6,7 +6,7 @@ near B until its tail. Every system runs greedy with EOS ignored at one dtype (k
 CPU, given to vLLM too); kvloom's outputs with speculation are checked against kvloom's without.
 A last section times the phases of kvloom's verifying steps from the outside.
 
-    python -m kvloom.benchmarks.speculation            (about 30 minutes on 2 cores)
+    python -m kvloom.benchmarks.speculation    (measured: ~100 minutes on a busy 2-core AMD EPYC; each vLLM start takes ~3)
 
 writes benchmarks/results/speculation.{md,json}.
 """
