@@ -16,6 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
+from kvloom.cluster.logs import LOG_FORMAT_ENV
 from kvloom.engine.cpu_threads import openmp_env
 from kvloom.replicas.disagg import DecodeReplica, PrefillReplica
 from kvloom.replicas.engine_replica import EngineReplica
@@ -53,12 +54,13 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
     logs = {"log_level": log_level, "encoding": log_encoding, "enable_access_log": False}
+    log_format = {LOG_FORMAT_ENV: log_encoding.lower()}  # JSON: Serve's console lines too (see cluster/logs.py)
 
     def replica_deployment(cls, name: str, replica_scaling: dict):
         return serve.deployment(cls).options(
             name=name,
             ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus,
-                               "runtime_env": {"env_vars": openmp_env()}},
+                               "runtime_env": {"env_vars": {**openmp_env(), **log_format}}},
             max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
             request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
             health_check_period_s=2,
@@ -69,7 +71,8 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         )
 
     router = serve.deployment(Router).options(
-        name=ROUTER_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=100_000,
+        name=ROUTER_NAME, num_replicas=1, max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": log_format}},
         user_config=tenancy_user_config(config), logging_config={**logs, "enable_access_log": config.http.access_log},
     )
     settings = {

@@ -30,7 +30,9 @@ class RouterConfig(PolicyConfig, Strict):
     max_queued_requests: int = Field(512, ge=1)
     replica_slack: int = Field(4, ge=0, description="requests a replica may queue beyond max_num_seqs")
     imbalance_threshold: int = Field(8, ge=0, description="load gap that overrides prefix affinity")
-    max_retries: int = Field(2, ge=0)
+    max_retries: int = Field(2, ge=0, description="times a request whose replica died moves to another one")
+    retry_wait_s: float = Field(60, gt=0, description="how long a moved request waits for a replica before it "
+                                                      "ends with an error")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     metrics_require_admin: bool = Field(False, description="GET /metrics asks for an admin key (its labels name "
                                                            "tenants)")

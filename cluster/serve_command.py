@@ -10,9 +10,11 @@ import argparse
 import logging
 import os
 import signal
+import sys
 import time
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
+from kvloom.cluster.logs import LOG_FORMAT_ENV, JSONConsole, json_logs, say, serve_logger_as_json
 
 DRAIN_POLL_S = 0.2
 
@@ -40,26 +42,28 @@ def _raise_interrupt(signum, frame) -> None:
 def _startup_summary(config: ClusterConfig, replicas: list[dict]) -> None:
     for r in replicas:
         tokens = r["num_blocks"] * r["block_size"]
-        print(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s), "
-              f"{r['num_blocks']} KV blocks ({tokens} tokens), up to {r['max_num_seqs']} sequences")
+        say(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s), "
+            f"{r['num_blocks']} KV blocks ({tokens} tokens), up to {r['max_num_seqs']} sequences",
+            replica=r["replica_id"], device=r["device"], dtype=r["dtype"], torch_threads=r["torch_threads"],
+            kv_blocks=r["num_blocks"], kv_tokens=tokens, max_num_seqs=r["max_num_seqs"])
     url = f"http://{config.http.host}:{config.http.port}"
-    print(f"kvloom is serving {config.model_name} with {len(replicas)} replica(s) at {url}/v1  (Ctrl-C stops)")
-    print(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
-          flush=True)
+    say(f"kvloom is serving {config.model_name} with {len(replicas)} replica(s) at {url}/v1  (Ctrl-C stops)",
+        model=config.model_name, replicas=len(replicas), url=f"{url}/v1")
+    say(f"  try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'")
 
 
 def _drain(router, timeout_s: float) -> None:
     """Stop admitting, then wait (a bounded poll) for the requests in flight to finish."""
     in_flight = router.drain.remote().result()
-    print(f"draining: new requests get 503; {in_flight} in flight, waiting up to {timeout_s:g} s "
-          "(again to stop now) ...", flush=True)
+    say(f"draining: new requests get 503; {in_flight} in flight, waiting up to {timeout_s:g} s (again to stop now) ...",
+        in_flight=in_flight)
     deadline = time.monotonic() + timeout_s
     while in_flight and time.monotonic() < deadline:
         time.sleep(DRAIN_POLL_S)
         in_flight = router.in_flight.remote().result()
     if in_flight:
-        print(f"drain timeout: stopping with {in_flight} request(s) still in flight", flush=True)
+        say(f"drain timeout: stopping with {in_flight} request(s) still in flight", in_flight=in_flight)
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -78,15 +82,21 @@ def serve_main(args: argparse.Namespace) -> int:
     from kvloom.cluster.app import ROUTER_NAME, build_app, expected_replicas
 
     encoding = "JSON" if args.log_format == "json" else "TEXT"
+    os.environ[LOG_FORMAT_ENV] = args.log_format  # for `say`, and the processes of a cluster started here
+    if json_logs():
+        sys.stdout, sys.stderr = JSONConsole(sys.stdout), JSONConsole(sys.stderr)
     logging.getLogger("ray.serve").setLevel(args.log_level)  # this process's Serve client lines too
-    ray.init(address=args.address, include_dashboard=False, logging_level=args.log_level)
+    serve_logger_as_json()
+    ray.init(address=args.address, include_dashboard=False, logging_level=args.log_level,
+             logging_config=ray.LoggingConfig(encoding=encoding, log_level=args.log_level) if encoding == "JSON"
+             else None)
     for signum in (signal.SIGTERM, signal.SIGINT):  # after ray.init, which replaces SIGTERM's handler
         signal.signal(signum, _raise_interrupt)
     router = None
     try:
         serve.start(http_options={"host": config.http.host, "port": proxy_port},
                     logging_config={"log_level": args.log_level, "encoding": encoding, "enable_access_log": False})
-        print(f"deploying {config.model_name} from {args.config} ...", flush=True)
+        say(f"deploying {config.model_name} from {args.config} ...")
         serve.run(build_app(config, args.log_level, encoding), name=config.name, route_prefix="/")
         router = serve.get_deployment_handle(ROUTER_NAME, config.name)
         while len(replicas := router.replica_stats.remote().result()) < expected_replicas(config):
@@ -99,9 +109,9 @@ def serve_main(args: argparse.Namespace) -> int:
             try:
                 _drain(router, config.http.drain_timeout_s)
             except KeyboardInterrupt:
-                print("stopping now", flush=True)
+                say("stopping now")
     finally:
-        print("shutting down ...", flush=True)
+        say("shutting down ...")
         serve.shutdown()
         ray.shutdown()
     return 0

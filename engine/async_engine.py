@@ -102,10 +102,10 @@ class OutputBatches:
         self.live: set[str] = set()
         self._error: BaseException | None = None
 
-    def add(self, request: Request) -> None:
-        """Queue `request` on the engine; its outputs come out of `next_batch`."""
+    def add(self, request: Request, start: Callable[[LLMEngine], None] | None = None) -> None:
+        """Queue `request` on the engine (by `start`, if given); its outputs come out of `next_batch`."""
         self.live.add(request.request_id)
-        self.engine._open(request, self)
+        self.engine._open(request, self, start)
 
     def forget(self, request_id: str) -> None:
         """Abort a request (if it still runs) and drop its outputs from now on."""

@@ -243,6 +243,29 @@ class LLMEngine:
         self.register_request(request)
         self.scheduler.add_request(request)
 
+    def add_continued(self, request: Request, output_token_ids: list[int], emitted_chars: int) -> None:
+        """Go on with an output another engine began (its replica died mid-stream). The tokens become this
+        request's output as if generated here, so max_tokens, penalties, a grammar and stop strings go on
+        from them; it is recomputed like a preempted request (a prefix-cache hit where the blocks are here).
+        The detokenizer replays them, so text held back for a stop string or a split character comes out
+        once, from `emitted_chars` (what the client has) on."""
+        params = request.sampling_params
+        self._check_vocabulary("output_token_ids", output_token_ids)
+        if not 0 < len(output_token_ids) < params.max_tokens:
+            raise InvalidRequestError("output_token_ids", f"continues with {len(output_token_ids)} tokens; "
+                                      f"max_tokens is {params.max_tokens}")
+        self.register_request(request)
+        detok = self._detokenizers.get(request.request_id)
+        for token in output_token_ids:
+            request.token_ids.append(token)
+            if request.grammar is not None:
+                request.grammar.accept(token)
+            if detok is not None:
+                detok.add_token(token, check_stop=False)  # it did not stop there, or it would not go on
+        if detok is not None:
+            detok.emitted = min(emitted_chars, len(detok.text))
+        self.scheduler.add_request(request)
+
     def register_request(self, request: Request) -> None:
         """Per-request engine state: generator, detokenizer, and the id table."""
         if request.request_id in self.requests or request.request_id in self.parked:

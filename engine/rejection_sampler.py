@@ -14,7 +14,7 @@ have a point mass q on the drafted token.
 import torch
 
 from kvloom.engine.request import Request
-from kvloom.engine.sampler import SampledToken, draw, sample, sampling_probs, token_logprobs
+from kvloom.engine.sampler import SampledToken, draw, positioned, sample, sampling_probs, token_logprobs
 
 
 def verify(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[list[SampledToken]]:
@@ -45,6 +45,7 @@ def _longest_agreeing_prefix(target: list[SampledToken], drafts: list[int]) -> l
 
 def _rejection_sample(logits: torch.Tensor, request: Request, generator: torch.Generator) -> list[SampledToken]:
     params, drafts, draft_probs = request.sampling_params, request.spec_token_ids, request.spec_probs
+    generator = positioned(generator, request)
     raw = logits.float()
     logprobs = raw.log_softmax(-1) if params.logprobs is not None else None
     kept: list[int] = []

@@ -43,6 +43,16 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[-1] - 1)
 
 
+def positioned(generator: torch.Generator, request: Request) -> torch.Generator:
+    """A seeded request's generator, re-seeded from (seed, tokens generated so far): its next token's
+    randomness is the same on any replica, and after its stream moved to another replica mid-way (see
+    LLMEngine.add_continued). Unseeded requests keep drawing from their own stream."""
+    seed = request.sampling_params.seed
+    if seed is not None:
+        generator.manual_seed(hash((seed, request.num_output_tokens)) & (2**63 - 1))
+    return generator
+
+
 def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch.Generator]) -> list[SampledToken]:
     """`logits` is [len(requests), vocab] in the model's dtype; one generator per request keeps seeded
     runs reproducible. Greedy rows read the logits as they are (no widened copy of the batch's); a
@@ -65,7 +75,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
         if params.greedy:
             tokens[row] = int(row_logits.argmax())
             continue
-        tokens[row] = draw(sampling_probs(row_logits, params), generators[row])
+        tokens[row] = draw(sampling_probs(row_logits, params), positioned(generators[row], request))
     if logprobs is None:
         return [SampledToken(t, None) for t in tokens]
     return [SampledToken(token, token_logprobs(logprobs[row], token, request.sampling_params.logprobs))

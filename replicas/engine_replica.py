@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import ray
 from ray import serve
 
+from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
@@ -63,6 +64,7 @@ class EngineReplica:
                        torch_threads: int | None = None) -> None:
         from kvloom.engine.async_engine import AsyncLLMEngine
 
+        serve_logger_as_json()
         self.config = engine_device(EngineConfig(**engine_config))
         self.cpus = usable_cpus()
         self.fixed_threads = torch_threads
@@ -154,12 +156,15 @@ class EngineReplica:
 
     async def submit(self, request: dict, channel: str, target_replica: str | None = None) -> dict:
         """Queue a request whose chunks go out on `channel` (see `outputs`). Answers which replica took it,
-        or an error chunk for bad input (so the router can answer 400 before any byte is sent)."""
+        or an error chunk for bad input (so the router can answer 400 before any byte is sent). With
+        `output_token_ids` (and `emitted_chars`) it continues a stream whose replica died."""
         try:
             req = self.make_request(request)
         except (InvalidRequestError, ValueError) as exc:
             return self.error_chunk(exc)
-        self._channel(channel).add(req)
+        output, emitted = request.get("output_token_ids"), request.get("emitted_chars", 0)
+        start = (lambda engine: engine.add_continued(req, output, emitted)) if output else None
+        self._channel(channel).add(req, start)
         return {"replica": self.replica_id}
 
     async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[dict]:

@@ -21,6 +21,8 @@ class ReplicaGone(RuntimeError):
 
 
 class ReplicaChannels:
+    resumable = True  # a request may go on on another replica from the tokens its client has
+
     def __init__(self, replicas_handle) -> None:
         self.handle = replicas_handle
         self.channel_id = uuid.uuid4().hex  # this router process's channel on every replica

@@ -20,6 +20,8 @@ DECODE_WAIT_S = 0.01
 
 
 class DisaggStreams:
+    resumable = False  # going on after a hand-off would need a prefill of prompt + output, then a new hand-off
+
     def __init__(self, prefill_handle, decode_handle, decode_table: ReplicaTable, transport: str) -> None:
         self.prefill = prefill_handle
         self.decode = decode_handle

@@ -1,8 +1,12 @@
 """Runs one request on the replicas: admission, dispatch, streaming, retry and accounting.
 
-A replica that dies before a request streamed anything costs that request nothing: it is
-retried at the head of the queue on another replica. One that dies mid-stream ends the request
-with a clear error (a retry would repeat text the client already has).
+A replica that dies costs its requests nothing. One that streamed nothing yet is retried at the
+head of the queue on another replica. One that streamed part of its output continues on another
+replica: the prompt plus the tokens the client has are recomputed there (a prefix-cache hit where that
+replica holds them) and the stream goes on from the next token, with no repeated text (greedy output
+is what an uninterrupted run gives; a seeded sample draws what it would have). Retries are bounded by
+`max_retries` and each waits at most `retry_wait_s` for a replica. Streams that cannot be continued
+(disaggregated ones, once handed off) end with a clear error instead.
 
 The tenant's quotas are checked before the request queues, and every token is accounted to the
 tenant exactly once as it streams past: usage, the tokens/min bucket, the VTC counter, metrics.
@@ -26,6 +30,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
+class Delivered:
+    """What the client has of a request so far: a continuation on another replica starts after it."""
+
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    first_token_at: float | None = None
+
+
+@dataclass
 class Job:
     request_id: str
     payload: dict  # what EngineReplica.generate takes
@@ -39,11 +52,13 @@ class Job:
 
 
 class Dispatcher:
-    def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2) -> None:
-        self.streams = streams  # ReplicaChannels or DisaggStreams: `open(payload, replica_id)`
+    def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2,
+                 retry_wait_s: float = 60.0) -> None:
+        self.streams = streams  # ReplicaChannels or DisaggStreams: `open(payload, replica_id)`, `resumable`
         self.admission = admission
         self.metrics = metrics
         self.max_retries = max_retries
+        self.retry_wait_s = retry_wait_s
         self.active = 0  # requests between admission and their last chunk (what a drain waits for)
 
     async def run(self, job: Job) -> AsyncIterator[dict]:
@@ -77,24 +92,26 @@ class Dispatcher:
         self.metrics.rejected.labels(tenant.name, exc.code or "error").inc()
 
     async def _attempts(self, job: Job, ticket: Ticket) -> AsyncIterator[dict]:
+        delivered = Delivered()
         for attempt in range(self.max_retries + 1):
-            replica = await self.admission.acquire(ticket, front=attempt > 0)
-            if attempt == 0:
-                self.metrics.queue_time.labels(job.tenant.name).observe(time.monotonic() - job.arrival)
-            streamed = False
+            replica = await self._acquire(job, ticket, attempt)
             finished = False
             payload = {**job.payload, "priority": ticket.engine_priority}
+            if attempt > 0:
+                self.metrics.moved.labels(job.tenant.name, "continued" if delivered.token_ids else "retried").inc()
+            if delivered.token_ids:
+                payload.update(output_token_ids=list(delivered.token_ids), emitted_chars=delivered.chars)
             response = self.streams.open(payload, replica.replica_id)
             try:
-                async for chunk in self._observed(job, ticket, response):
-                    streamed = streamed or bool(chunk.get("token_ids"))
+                async for chunk in self._observed(job, ticket, response, delivered):
                     finished = chunk.get("finish_reason") is not None or "error" in chunk
                     yield chunk
                 return
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaGone) as exc:
                 self.admission.table.drop(replica.replica_id)
-                logger.warning("replica %s failed on %s: %r", replica.replica_id, job.request_id, exc)
-                if streamed:
+                logger.warning("replica %s failed on %s after %d token(s): %r", replica.replica_id,
+                               job.request_id, len(delivered.token_ids), exc)
+                if delivered.token_ids and not self.streams.resumable:
                     raise APIError(500, f"replica failed mid-stream after partial output: {type(exc).__name__}",
                                    code="replica_failed") from exc
             except ray.exceptions.RayError as exc:  # the replica raised (e.g. a KV hand-off timed out)
@@ -106,17 +123,32 @@ class Dispatcher:
                 self.admission.release(replica, ticket)
         raise APIError(500, f"replica failed on each of {self.max_retries + 1} attempts", code="replica_failed")
 
-    async def _observed(self, job: Job, ticket: Ticket, response) -> AsyncIterator[dict]:
-        """Account every streamed token to the tenant as it passes (aborted requests count too)."""
+    async def _acquire(self, job: Job, ticket: Ticket, attempt: int):
+        """A replica to run on; a retry goes to the head of the queue and waits at most `retry_wait_s`."""
+        if attempt == 0:
+            replica = await self.admission.acquire(ticket)
+            self.metrics.queue_time.labels(job.tenant.name).observe(time.monotonic() - job.arrival)
+            return replica
+        try:
+            return await asyncio.wait_for(self.admission.acquire(ticket, front=True), self.retry_wait_s)
+        except TimeoutError:
+            raise APIError(503, f"replica failed and no other was ready within {self.retry_wait_s:g} s",
+                           code="replica_failed") from None
+
+    async def _observed(self, job: Job, ticket: Ticket, response, delivered: Delivered) -> AsyncIterator[dict]:
+        """Account every streamed token to the tenant as it passes, once however many replicas the stream
+        took (aborted requests count too), and note what the client has in `delivered`."""
         tenant, label = job.tenant, job.tenant.name
-        first_token_at = None
         async for chunk in response:
             generated = len(chunk.get("token_ids") or ())
-            if "error" not in chunk and first_token_at is None and generated:
-                first_token_at = time.monotonic()
-                self.metrics.ttft.labels(label).observe(first_token_at - job.arrival)
+            if "error" not in chunk and delivered.first_token_at is None and generated:
+                delivered.first_token_at = time.monotonic()
+                self.metrics.ttft.labels(label).observe(delivered.first_token_at - job.arrival)
                 self.metrics.prompt_tokens.labels(label).inc(chunk["prompt_tokens"])
                 tenant.usage.prompt_tokens += chunk["prompt_tokens"]
+            if "error" not in chunk:
+                delivered.token_ids += chunk.get("token_ids") or ()
+                delivered.chars += len(chunk.get("text") or "")
             if generated:
                 self.metrics.generation_tokens.labels(label).inc(generated)
                 tenant.usage.completion_tokens += generated
@@ -127,8 +159,8 @@ class Dispatcher:
                 done = chunk["completion_tokens"]
                 tenant.usage.requests += 1
                 self.metrics.e2e.labels(label).observe(now - job.arrival)
-                if first_token_at is not None and done > 1:
-                    self.metrics.tpot.labels(label).observe((now - first_token_at) / (done - 1))
+                if delivered.first_token_at is not None and done > 1:
+                    self.metrics.tpot.labels(label).observe((now - delivered.first_token_at) / (done - 1))
                 self.metrics.requests.labels(label, chunk["finish_reason"], chunk["replica"]).inc()
             yield chunk
             await asyncio.sleep(0)

@@ -183,25 +183,33 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES)
     suffix: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.echo and self.logprobs is not None:
             raise UnsupportedFieldError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
-        if self.best_of not in (None, self.n):
-            raise UnsupportedFieldError("best_of", "best_of other than n is not supported")
+        if self.best_of is not None and self.best_of < self.n:
+            raise UnsupportedFieldError("best_of", f"is {self.best_of}; it must be at least n ({self.n})")
+        if self.candidates > self.n and self.stream:
+            raise UnsupportedFieldError("best_of", "best_of above n cannot be streamed (as in OpenAI's API)")
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported")
         self.prompts()
+
+    @property
+    def candidates(self) -> int:
+        """Generations per prompt: `best_of` of them, of which the `n` most likely are returned."""
+        return self.best_of or self.n
 
     def prompts(self) -> list[str | list[int]]:
         """One or several prompts (OpenAI: a string, token ids, or a list of either); each is a choice."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) * self.n > MAX_CHOICES:
-                raise UnsupportedFieldError("prompt", f"at most {MAX_CHOICES} choices (prompts times n) per request")
+            if len(prompt) * self.candidates > MAX_CHOICES:
+                raise UnsupportedFieldError("prompt", f"at most {MAX_CHOICES} generations (prompts times "
+                                                      "best_of or n) per request")
             return prompt
         return [prompt]
 

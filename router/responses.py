@@ -137,9 +137,25 @@ def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Ch
     return StreamingResponse(events(), media_type="text/event-stream")
 
 
-async def collect_response(head: dict, choices: list[Choice],
-                           make_choice: Callable[[Choice, list[dict]], dict]) -> JSONResponse:
-    """One body once every choice has finished; `make_choice` gets a choice's chunks in order."""
+def most_likely(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
+    """`best_of`: of each prompt's `candidates` finished generations (consecutive), the `n` whose tokens have
+    the highest summed logprob, most likely first, renumbered i*n+j as OpenAI numbers choices."""
+    def cumulative_logprob(choice: Choice) -> float:
+        return sum(float(next(iter(alternatives.values()))) for alternatives in joined(choice.chunks)[1])
+
+    kept = []
+    for prompt, start in enumerate(range(0, len(choices), candidates)):
+        ranked = sorted(choices[start : start + candidates], key=cumulative_logprob, reverse=True)
+        for j, choice in enumerate(ranked[:n]):
+            choice.index = prompt * n + j
+            kept.append(choice)
+    return kept
+
+
+async def collect_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, list[dict]], dict],
+                           keep: Callable[[list[Choice]], list[Choice]] | None = None) -> JSONResponse:
+    """One body once every choice has finished; `make_choice` gets a choice's chunks in order. `keep` picks
+    the choices returned (best_of); usage counts every one generated."""
     try:
         async for choice, chunk in merged(choices):
             choice.chunks.append(chunk)
@@ -147,5 +163,6 @@ async def collect_response(head: dict, choices: list[Choice],
         return exc.response()
     finally:
         await close(choices)
-    return JSONResponse({**head, "choices": [make_choice(c, c.chunks) for c in choices],
+    returned = keep(choices) if keep else choices
+    return JSONResponse({**head, "choices": [make_choice(c, c.chunks) for c in returned],
                          "usage": usage([c.chunks[-1] for c in choices])})

@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 
+from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.model_files import resolve_model_dir
 from kvloom.router.admission import AdmissionQueue
@@ -32,7 +33,8 @@ from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
-from kvloom.router.responses import Choice, LogprobsFormat, close, collect_response, joined, stream_response
+from kvloom.router.responses import (Choice, LogprobsFormat, close, collect_response, joined, most_likely,
+                                     stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
 from kvloom.router.tokenizer import load_router_tokenizer
 from kvloom.router.vtc import VirtualCounters
@@ -50,6 +52,7 @@ class RouterSettings(BaseModel):
     replica_slack: int = 4
     imbalance_threshold: int = 8
     max_retries: int = 2
+    retry_wait_s: float = 60.0
     max_request_bytes: int = 4 * 2**20
     metrics_require_admin: bool = False
     disagg_transport: str | None = None  # set: prefill/decode replicas hand KV over this transport
@@ -75,6 +78,7 @@ def _draining() -> APIError:
 class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
         """`replicas_handle` runs requests (prefill replicas when `decode_handle` is given)."""
+        serve_logger_as_json()
         self.settings = RouterSettings(**settings)
         self.tokenizer = load_router_tokenizer(resolve_model_dir(self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
@@ -85,7 +89,8 @@ class Router:
         self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         streams = (DisaggStreams(replicas_handle, decode_handle, self.decode_table, self.settings.disagg_transport)
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
-        self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries)
+        self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries,
+                                     self.settings.retry_wait_s)
         self.created = int(time.time())
         self.draining = False
         self.ignored_fields: set[str] = set()  # unknown request fields already logged
@@ -283,10 +288,13 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: CompletionRequest = await self._parse(request, CompletionRequest)
-            texts = [text for text in body.prompts() for _ in range(body.n)]  # OpenAI: choice i*n+j
+            per_prompt = body.candidates  # n, or best_of to rank by likelihood
+            texts = [text for text in body.prompts() for _ in range(per_prompt)]  # OpenAI: choice i*n+j
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
-            choices = await self._start_all([self._job(tenant, body, ids, body.max_tokens or 16, body.logprobs,
-                                                       sibling=i % body.n) for i, ids in enumerate(prompts)])
+            ranked = per_prompt > body.n
+            token_logprobs = body.logprobs if not ranked else body.logprobs or 0  # ranking reads the chosen ones
+            choices = await self._start_all([self._job(tenant, body, ids, body.max_tokens or 16, token_logprobs,
+                                                       sibling=i % per_prompt) for i, ids in enumerate(prompts)])
         except APIError as exc:
             return exc.response()
         if body.echo:
@@ -307,7 +315,8 @@ class Router:
                 choice, (choice.prefix if chunk is choice.first else "") + chunk["text"], chunk["token_ids"],
                 chunk["logprobs"], chunk["finish_reason"]), body.include_usage, body.continuous_usage)
         return await collect_response(head, choices, lambda choice, chunks: completion_choice(
-            choice, choice.prefix + "".join(c["text"] for c in chunks), *joined(chunks)))
+            choice, choice.prefix + "".join(c["text"] for c in chunks), *joined(chunks)),
+            keep=(lambda done: most_likely(done, per_prompt, body.n)) if ranked else None)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):

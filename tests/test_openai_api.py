@@ -207,6 +207,17 @@ def test_n_seeded_choices_are_the_seeds_in_turn(client):
     assert [c.text for c in together.choices] == apart
 
 
+def test_best_of_returns_the_n_most_likely_of_its_candidates(client):
+    """best_of=4, n=2 generates what n=4 does (candidate j draws with seed + j) and returns the two whose tokens
+    have the highest summed logprob, most likely first; usage counts all four."""
+    kwargs = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 10, "seed": 5, "temperature": 1.0}
+    candidates = client.completions.create(**kwargs, n=4, logprobs=0).choices
+    ranked = sorted(candidates, key=lambda c: -sum(c.logprobs.token_logprobs))
+    best = client.completions.create(**kwargs, n=2, best_of=4)
+    assert [(c.index, c.text, c.logprobs) for c in best.choices] == [(0, ranked[0].text, None), (1, ranked[1].text, None)]
+    assert best.usage.completion_tokens == 40
+
+
 def test_n_chat_choices_stream_by_index(client):
     kwargs = {"model": "smollm2", "messages": QUESTION, "max_tokens": 12, "seed": 3, "n": 2}
     whole = client.chat.completions.create(**kwargs)

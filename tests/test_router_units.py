@@ -106,27 +106,30 @@ class ScriptedResponse:
 
 
 class ScriptedStreams:
-    """Stands in for the replica channels: per replica, a scripted stream."""
+    """Stands in for the replica channels: per replica, a scripted stream; records what each was sent."""
 
-    def __init__(self, scripts):
-        self.scripts, self.calls = scripts, []
+    def __init__(self, scripts, resumable: bool):
+        self.scripts, self.resumable, self.calls, self.payloads = scripts, resumable, [], []
 
     def open(self, payload, replica_id):
         self.calls.append(replica_id)
+        self.payloads.append(payload)
         return self.scripts[replica_id]()
 
 
-def chunk(tokens, finish=None):
-    return {"replica": "x", "text": "t", "token_ids": tokens, "finish_reason": finish,
-            "prompt_tokens": 3, "completion_tokens": len(tokens), "cached_tokens": 0}
+def chunk(tokens, finish=None, text="t", done=None):
+    return {"replica": "x", "text": text, "token_ids": tokens, "finish_reason": finish,
+            "prompt_tokens": 3, "completion_tokens": done or len(tokens), "cached_tokens": 0}
 
 
-def make_dispatcher(scripts):
+def make_dispatcher(scripts, resumable: bool = True, **options):
+    """Replicas named by `scripts`, chosen in that order."""
     table = ReplicaTable(slack=0)
-    for name in scripts:
+    for order, name in enumerate(scripts):
         table.report(stats(name, max_num_seqs=1))
-    streams = ScriptedStreams(scripts)
-    return Dispatcher(streams, AdmissionQueue(table, 10), RouterMetrics(table)), streams, table
+        table.replicas[name].dispatched = order
+    streams = ScriptedStreams(scripts, resumable)
+    return Dispatcher(streams, AdmissionQueue(table, 10), RouterMetrics(table), **options), streams, table
 
 
 async def test_request_that_streamed_nothing_is_retried_on_another_replica():
@@ -134,22 +137,50 @@ async def test_request_that_streamed_nothing_is_retried_on_another_replica():
         "a": lambda: ScriptedResponse([chunk([1])], fail_after=0),
         "b": lambda: ScriptedResponse([chunk([1]), chunk([2], "length")], fail_after=None),
     })
-    table.replicas["b"].dispatched = 1  # make "a" the first choice
     got = [c async for c in dispatcher.run(Job("r", {}, []))]
-    assert handle.calls == ["a", "b"]
+    assert handle.calls == ["a", "b"] and "output_token_ids" not in handle.payloads[1]
     assert [c["token_ids"] for c in got] == [[1], [2]]
     assert "a" not in table.replicas and table.replicas["b"].inflight == 0
 
 
-async def test_request_that_already_streamed_ends_with_a_clear_error():
+async def test_a_stream_whose_replica_dies_goes_on_elsewhere_from_what_the_client_has():
     dispatcher, handle, table = make_dispatcher({
+        "a": lambda: ScriptedResponse([chunk([1], text="Hel"), chunk([2], text="lo")], fail_after=2),
+        "b": lambda: ScriptedResponse([chunk([3], "length", text=" you", done=3)], fail_after=None),
+    })
+    job = Job("r", {"request_id": "r"}, [])
+    got = [c async for c in dispatcher.run(job)]
+    assert handle.calls == ["a", "b"]
+    assert [c["token_ids"] for c in got] == [[1], [2], [3]] and "".join(c["text"] for c in got) == "Hello you"
+    assert handle.payloads[1] | {"priority": 0} == {"request_id": "r", "priority": 0, "output_token_ids": [1, 2],
+                                                    "emitted_chars": 5}
+    assert dispatcher.metrics.moved.labels(job.tenant.name, "continued")._value.get() == 1
+    usage = job.tenant.usage  # the prompt once, each token once
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.requests) == (3, 3, 1)
+    assert "a" not in table.replicas and table.replicas["b"].inflight == 0
+
+
+async def test_a_stream_that_cannot_go_on_ends_with_a_clear_error():
+    dispatcher, handle, _ = make_dispatcher({  # a disaggregated stream, once handed off
         "a": lambda: ScriptedResponse([chunk([1]), chunk([2])], fail_after=1),
         "b": lambda: ScriptedResponse([chunk([9], "length")], fail_after=None),
-    })
-    table.replicas["b"].dispatched = 1
+    }, resumable=False)
     received = []
     with pytest.raises(APIError) as err:
         async for c in dispatcher.run(Job("r", {}, [])):
             received.append(c)
     assert err.value.status == 500 and "mid-stream" in err.value.message
     assert handle.calls == ["a"] and len(received) == 1
+
+
+async def test_moves_are_bounded_by_max_retries_and_retry_wait_s():
+    failing = {name: (lambda: ScriptedResponse([chunk([1])], fail_after=1)) for name in "abc"}
+    dispatcher, handle, _ = make_dispatcher(failing, max_retries=1)
+    with pytest.raises(APIError) as err:
+        _ = [c async for c in dispatcher.run(Job("r", {}, []))]
+    assert handle.calls == ["a", "b"] and "each of 2 attempts" in err.value.message
+
+    dispatcher, handle, _ = make_dispatcher({"a": failing["a"]}, retry_wait_s=0.05)  # no replica to go on on
+    with pytest.raises(APIError) as err:
+        _ = [c async for c in dispatcher.run(Job("r", {}, []))]
+    assert err.value.status == 503 and "within 0.05 s" in err.value.message

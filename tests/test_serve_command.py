@@ -1,8 +1,9 @@
 """`kvloom serve`, the command a user runs: it starts its own Ray cluster, the router answers HTTP on the
 configured port itself (Serve's direct ingress, no proxy hop), /health is a quiet 503 until a replica is
 ready, and SIGTERM drains: new requests get 503 while the ones in flight finish, then everything it started
-exits. Real processes, real HTTP."""
+exits. With `--log-format json` every console line is a JSON object. Real processes, real HTTP."""
 
+import json
 import os
 import signal
 import subprocess
@@ -60,7 +61,8 @@ def served(tmp_path_factory):
     config.write_text(CONFIG.format(port=port))
     log = config.with_suffix(".log")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, not the tests' one
-    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config)],
+    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config),
+                                "--log-format", "json"],
                                stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     server = Server(process, port, log)
     try:
@@ -119,6 +121,22 @@ def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
     assert served.process.wait(120) == 0
     assert wait_for(lambda: not [p for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 30)
     assert "drain" in served.log.read_text()
+
+
+def test_with_log_format_json_every_console_line_is_a_json_object(served):
+    """Ray's lines, Serve's, the replicas' and kvloom's own, from start to the drained exit (the test above)."""
+    def parsed(line: str):
+        try:
+            return json.loads(line)
+        except json.JSONDecodeError:
+            return None
+
+    lines = [line for line in served.log.read_text().splitlines() if line.strip()]
+    assert lines and all(isinstance(parsed(line), dict) for line in lines), \
+        [line for line in lines if not isinstance(parsed(line), dict)][:5]
+    replicas = [parsed(line) for line in lines if '"kv_blocks"' in line]
+    assert len(replicas) == 1 and replicas[0]["kv_blocks"] > 0 and replicas[0]["dtype"] == "float32"
+    assert any(parsed(line)["message"].startswith("draining") for line in lines)
 
 
 def _status(base: str, path: str) -> int | None:

@@ -1,0 +1,69 @@
+"""`kvloom serve --log-format json`: the console carries one JSON object a line, for a log shipper.
+
+Given `ray.LoggingConfig(encoding="JSON")`, Ray formats the root logger of the driver and of every worker
+as JSON and prints the workers' lines on the driver's console without its "(pid=...)" prefix. Serve's own
+logger ("ray.serve") keeps a text stream handler of its own in every process; kvloom's processes (the
+driver, the router and the replicas, told by KVLOOM_LOG_FORMAT) give it Ray's JSON formatter too. What is
+still text by the time it reaches the driver's console (Serve's controller and proxy, errors Ray relays
+from the cluster as "(raylet) ...") is wrapped there as {"message": line}.
+"""
+
+import io
+import json
+import logging
+import os
+import re
+
+LOG_FORMAT_ENV = "KVLOOM_LOG_FORMAT"
+
+
+def json_logs() -> bool:
+    return os.environ.get(LOG_FORMAT_ENV) == "json"
+
+
+def serve_logger_as_json() -> None:
+    """Serve's console handler in this process writes JSON, when JSON logs were asked for."""
+    if not json_logs():
+        return
+    from ray._common.formatters import JSONFormatter
+
+    for handler in logging.getLogger("ray.serve").handlers:
+        if type(handler) is logging.StreamHandler:
+            handler.setFormatter(JSONFormatter())
+
+
+class JSONConsole(io.TextIOBase):
+    """The driver's stdout or stderr in JSON mode: every line out is a JSON object (text lines get wrapped)."""
+
+    ANSI_COLOURS = re.compile(r"\x1b\[[0-9;]*m")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            if line.strip():
+                self.stream.write(self._json(line) + "\n")
+        return len(text)
+
+    def _json(self, line: str) -> str:
+        try:
+            if isinstance(json.loads(line), dict):
+                return line
+        except json.JSONDecodeError:
+            pass
+        return json.dumps({"message": self.ANSI_COLOURS.sub("", line)})
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+
+def say(message: str, **fields) -> None:
+    """A line for the operator on the console: text, or a JSON object with `fields` beside the message."""
+    print(json.dumps({"message": message, **fields}) if json_logs() else message, flush=True)
