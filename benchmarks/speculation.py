@@ -6,7 +6,7 @@ near B until its tail. Every system runs greedy with EOS ignored at one dtype (k
 CPU, given to vLLM too); kvloom's outputs with speculation are checked against kvloom's without.
 A last section times the phases of kvloom's verifying steps from the outside.
 
-    python -m kvloom.benchmarks.speculation    (~75 minutes on a 2-core AMD EPYC; each vLLM start takes ~3)
+    python -m kvloom.benchmarks.speculation    (measured: ~100 minutes on a busy 2-core AMD EPYC; each vLLM start takes ~3)
 
 writes benchmarks/results/speculation.{md,json}.
 """
@@ -37,17 +37,13 @@ METHODS = {
     "draft_model": {"method": "draft_model", "model": "smollm2", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "draft_layers": 24, "num_speculative_tokens": 3},
 }
-# A model draft runs its own forward pass per drafted token: slower than no speculation at every batch measured
-# (batch 16: draft_model 0.53x, layer_skip 0.33x of off), so batch 64 skips them (they took 22 of ~100 minutes).
-MODEL_DRAFT_MAX_BATCH = 16
 OFF, VLLM, VLLM_NGRAM = "kvloom", "vllm", "vllm+ngram"
 
 
-def systems(dtype: str, batch: int) -> list[SystemSpec]:
+def systems(dtype: str) -> list[SystemSpec]:
     kvloom = [SystemSpec(OFF, "kvloom", engine={"dtype": dtype})]
     kvloom += [SystemSpec(f"kvloom+{name}", "kvloom", engine={"dtype": dtype, "speculative_config": config})
-               for name, config in METHODS.items()
-               if config["method"] == "ngram" or batch <= MODEL_DRAFT_MAX_BATCH]
+               for name, config in METHODS.items()]
     return kvloom + [SystemSpec(VLLM, "vllm", engine={"dtype": dtype}),
                      SystemSpec(VLLM_NGRAM, "vllm", engine={"dtype": dtype, "speculative_config": NGRAM})]
 
@@ -199,7 +195,6 @@ def write_report(doc: dict, out: Path) -> Path:
              f"All systems at dtype {doc['dtype']}; regenerate with `python -m kvloom.benchmarks.speculation` "
              f"({doc['wall_s'] / 60:.0f} min).", "",
              "Methods: " + "; ".join(f"`kvloom+{name}` = `{json.dumps(config)}`" for name, config in METHODS.items())
-             + f" (the model drafts at batch <= {MODEL_DRAFT_MAX_BATCH} only)"
              + f"; `{VLLM_NGRAM}` = vLLM's CPU build with `speculative_config={json.dumps(NGRAM)}`. vLLM's TPOT "
              "comes from its own per-request first/last token times.", "",
              "## Goals", "", "| goal | measured | met |", "|---|---|---|"]
@@ -232,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     base = BenchSettings(model=args.model)
     runs, phases = {}, []
     for batch in (int(b) for b in args.batches.split(",")):
-        runs[batch] = run_systems(batch_workload(batch, corpus), systems(dtype, batch), replace(base, max_num_seqs=batch),
+        runs[batch] = run_systems(batch_workload(batch, corpus), systems(dtype), replace(base, max_num_seqs=batch),
                                   RUNS_DIR / f"batch-{batch}", f"copy-heavy, batch {batch}")
     for batch in (1, 16):
         phases.append(in_fresh_process(verification_phases, args.model, dtype, batch, corpus))
