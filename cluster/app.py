@@ -54,7 +54,8 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
     logs = {"log_level": log_level, "encoding": log_encoding, "enable_access_log": False}
-    log_format = {LOG_FORMAT_ENV: log_encoding.lower()}  # JSON: Serve's console lines too (see cluster/logs.py)
+    # JSON: Serve's console lines too (see cluster/logs.py); text needs nothing in the processes' environment
+    log_format = {LOG_FORMAT_ENV: "json"} if log_encoding == "JSON" else {}
 
     def replica_deployment(cls, name: str, replica_scaling: dict):
         return serve.deployment(cls).options(
@@ -72,7 +73,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
 
     router = serve.deployment(Router).options(
         name=ROUTER_NAME, num_replicas=1, max_ongoing_requests=100_000,
-        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": log_format}},
+        ray_actor_options={"num_cpus": 0, **({"runtime_env": {"env_vars": log_format}} if log_format else {})},
         user_config=tenancy_user_config(config), logging_config={**logs, "enable_access_log": config.http.access_log},
     )
     settings = {
