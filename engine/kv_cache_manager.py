@@ -79,6 +79,30 @@ class KVCacheManager:
         request.block_ids = [b.block_id for b in held]
         return True
 
+    def fork(self, source: Request, request: Request, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Give `request` (holding no blocks) the KV of `source`'s first `num_tokens` tokens, copy-on-write, and
+        room for one token more. Full blocks are shared by reference (nobody writes a full block again); a
+        partial last block is copied into a fresh block of its own, which the caller must fill: returns that
+        (source block, copy) pair, or nothing when the tokens end on a block boundary; None if the pool is short.
+        """
+        num_full = num_tokens // self.block_size
+        if self.pool.num_free < 1:  # the copy, or the block the next token opens
+            return None
+        source_blocks = self._held[source.request_id]
+        shared = source_blocks[:num_full]
+        for block in shared:
+            self.pool.touch(block)
+        fresh = self.pool.allocate(1)
+        self._held[request.request_id] = shared + fresh
+        request.block_ids = [b.block_id for b in shared + fresh]
+        request.block_hashes = source.block_hashes[:num_full]
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += num_tokens
+        if num_tokens % self.block_size == 0:
+            return []
+        return [(source_blocks[num_full].block_id, fresh[0].block_id)]
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's newly completed blocks (their KV is now computed)."""
         if not self.enable_prefix_caching:

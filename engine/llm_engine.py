@@ -305,6 +305,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        self.runner.copy_blocks(out.block_copies)
         if self.speculator is not None:
             self.speculator.draft(out.scheduled, self._generators)
         now = time.monotonic()

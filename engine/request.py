@@ -39,6 +39,7 @@ class Request:
     park_kv: bool = False  # disaggregated prefill: keep the blocks after finishing, for a KV hand-off
     logits_adjuster: LogitsAdjuster | None = None  # penalties, logit_bias, min_tokens: None when none asked
     grammar: OutputGrammar | None = None  # structured outputs: the matcher of the output so far
+    fork_of: str | None = None  # n > 1: the sibling whose prompt KV this one shares (Scheduler._fork_source)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens

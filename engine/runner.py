@@ -47,6 +47,17 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole blocks' K and V in every layer (a fork's partial block: see KVCacheManager.fork)."""
+        if not copies:
+            return
+        source = torch.tensor([s for s, _ in copies], device=self.device)
+        target = torch.tensor([t for _, t in copies], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache.index_copy_(0, target, key_cache.index_select(0, source))
+            value_cache.index_copy_(0, target, value_cache.index_select(0, source))
+
+    @torch.inference_mode()
     def execute(
         self, scheduled: list[tuple[Request, int]], generators: dict[str, torch.Generator]
     ) -> dict[str, list[SampledToken]]:

@@ -4,7 +4,8 @@ Every running request has `num_computed_tokens` that catches up with its token c
 per-step token budget. Decodes are scheduled first, then unfinished prefills (chunked when
 `enable_chunked_prefill`), then waiting requests while slots and blocks last. When the pool runs
 dry a victim (lowest priority, then latest arrival) is preempted by recompute: its blocks are
-freed and it re-enters the waiting queue with its generated tokens kept.
+freed and it re-enters the waiting queue with its generated tokens kept. A choice of an n > 1 request
+is admitted by forking its running sibling's prompt KV (`_fork_source`, `KVCacheManager.fork`).
 """
 
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens)
     preempted: list[Request] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (from, to): forks' partial blocks, before the step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -156,7 +158,7 @@ class Scheduler:
                 budget -= num_new
 
         if len(out.preempted) == evicted_for_priority:  # no pool pressure among running requests
-            budget = self._admit_waiting(budget, planned, out.preempted)
+            budget = self._admit_waiting(budget, planned, out)
 
         out.scheduled = [(r, planned[r.request_id]) for r in self.running if r.request_id in planned]
         if out.scheduled:
@@ -165,19 +167,27 @@ class Scheduler:
             self.counters.idle_slot_steps += self.batching.idle_slots()
         return out
 
-    def _admit_waiting(self, budget: int, planned: dict[str, int], evicted: list[Request]) -> int:
+    def _admit_waiting(self, budget: int, planned: dict[str, int], out: SchedulerOutput) -> int:
         """Admit in queue order among what the batching strategy allows; stop at the first misfit.
 
         A request evicted this very step is not taken back in it (that would only thrash).
         """
         for request in self.batching.admissible(self.waiting):
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in evicted:
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in out.preempted:
                 break
-            cached = self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
-            num_new = self._chunk(request.num_tokens - num_cached, budget)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
-                break
+            source = self._fork_source(request)
+            if source is not None:
+                num_cached, num_new = request.num_tokens - 1, 1
+                copies = self.kv.fork(source, request, num_cached)
+                if copies is None:
+                    break
+                out.block_copies += copies
+            else:
+                cached = self.kv.find_cached_prefix(request)
+                num_cached = len(cached) * self.kv.block_size
+                num_new = self._chunk(request.num_tokens - num_cached, budget)
+                if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                    break
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
@@ -187,6 +197,17 @@ class Scheduler:
             planned[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _fork_source(self, request: Request) -> Request | None:
+        """n > 1: the running sibling whose KV holds this request's whole prompt but its last token, if any. The
+        router starts a prompt's choice j once choice j-1 has its first token, so the first one has computed it."""
+        if request.fork_of is None or request.num_output_tokens:
+            return None
+        source = next((r for r in self.running if r.request_id == request.fork_of), None)
+        if (source is None or source.num_computed_tokens < request.num_tokens - 1
+                or source.prompt_token_ids != request.prompt_token_ids):
+            return None
+        return source
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
         """Advance progress after a step; returns the requests that received new tokens.

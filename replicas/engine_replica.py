@@ -134,9 +134,11 @@ class EngineReplica:
         engine = self.engine.engine
         sampling = dict(request["sampling"])
         sampling.setdefault("max_tokens", max(1, engine.max_model_len - len(request["prompt_token_ids"])))
-        return engine.make_request(
+        req = engine.make_request(
             request["request_id"], request["prompt_token_ids"], SamplingParams(**sampling), request.get("priority", 0)
         )
+        req.fork_of = request.get("fork_of")
+        return req
 
     def error_chunk(self, exc: Exception) -> dict:
         return {"error": {"message": str(exc), "param": getattr(exc, "field", None)}, "replica": self.replica_id}

@@ -74,6 +74,18 @@ def _draining() -> APIError:
     return APIError(503, "the server is shutting down", code="draining")
 
 
+def fork_siblings(jobs: list[Job], per_prompt: int) -> list[Job]:
+    """The choices of one prompt (each `per_prompt` consecutive jobs) share its KV: `_start_all` starts choice
+    j once choice j-1 has its first token, and the replica holding the prompt's blocks gets it (the router
+    sends a prompt where its blocks are), so choice j forks choice 0's prompt copy-on-write (full blocks
+    shared, the partial last one copied) and computes only the prompt's last token. Elsewhere, or once
+    choice 0 has finished, it runs as any request would (a prefix-cache hit on the full blocks)."""
+    for i, job in enumerate(jobs):
+        if i % per_prompt:
+            job.payload["fork_of"] = jobs[i - i % per_prompt].request_id
+    return jobs
+
+
 @serve.ingress(api)
 class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
@@ -189,9 +201,8 @@ class Router:
 
     def _job(self, tenant: Tenant, body, token_ids: list[int], max_tokens: int | None, logprobs: int | None,
              sibling: int = 0) -> Job:
-        """One choice's request. The `n` choices of a prompt start one after the other (see `_start_all`), so
-        each later one finds the prompt's full blocks in the replica's prefix cache and computes only the
-        last partial block; a seeded request's j-th choice draws with seed + j."""
+        """One choice's request; a seeded request's j-th choice draws with seed + j (see `fork_siblings` for
+        how a prompt's choices share its KV)."""
         limit = tenant.config.quotas.max_tokens_per_request
         if max_tokens is None and limit is not None:
             # "as long as the tenant may" within the model's room (none known: no replica yet, or a prompt
@@ -293,8 +304,9 @@ class Router:
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
             ranked = per_prompt > body.n
             token_logprobs = body.logprobs if not ranked else body.logprobs or 0  # ranking reads the chosen ones
-            choices = await self._start_all([self._job(tenant, body, ids, body.max_tokens or 16, token_logprobs,
-                                                       sibling=i % per_prompt) for i, ids in enumerate(prompts)])
+            choices = await self._start_all(fork_siblings([self._job(
+                tenant, body, ids, body.max_tokens or 16, token_logprobs, sibling=i % per_prompt)
+                for i, ids in enumerate(prompts)], per_prompt))
         except APIError as exc:
             return exc.response()
         if body.echo:
@@ -325,8 +337,9 @@ class Router:
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             token_ids = self._chat_tokens(body.conversation())
             top_n = (body.top_logprobs or 0) if body.logprobs else None
-            choices = await self._start_all([self._job(tenant, body, token_ids, body.max_completion_tokens
-                                                       or body.max_tokens, top_n, sibling=j) for j in range(body.n)])
+            choices = await self._start_all(fork_siblings([self._job(
+                tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
+                for j in range(body.n)], body.n))
         except APIError as exc:
             return exc.response()
         logprobs = LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None

@@ -457,6 +457,49 @@ class TestPrefixStats:
         assert kv.stats.hits <= kv.stats.queries
 
 
+class TestFork:
+    """n > 1: a choice forks its sibling's prompt KV copy-on-write (KVCacheManager.fork)."""
+
+    def test_full_blocks_are_shared_and_the_partial_last_block_is_copied(self):
+        kv = KVCacheManager(num_blocks=8, block_size=4)
+        a = make_request("a", list(range(1, 11)))  # 10 tokens: blocks of 4, 4, 2
+        compute(kv, a, 10)
+        b = make_request("b", list(range(1, 11)))
+        copies = kv.fork(a, b, 9)  # all but the last prompt token, which b computes for its own logits
+        assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] not in a.block_ids
+        assert copies == [(a.block_ids[2], b.block_ids[2])]
+        assert [kv.pool.blocks[i].ref_cnt for i in a.block_ids] == [2, 2, 1]
+        assert b.block_hashes == a.block_hashes[:2] and kv.pool.num_used == 4
+        assert (kv.stats.queries, kv.stats.hits) == (10 + 10, 9)
+
+    def test_a_prompt_ending_on_a_block_boundary_copies_nothing(self):
+        kv = KVCacheManager(num_blocks=8, block_size=4)
+        a = make_request("a", list(range(1, 10)))  # 9 tokens: the 9th opens a block of its own
+        compute(kv, a, 9)
+        b = make_request("b", list(range(1, 10)))
+        assert kv.fork(a, b, 8) == []
+        assert b.block_ids[:2] == a.block_ids[:2] and b.block_ids[2] not in a.block_ids
+
+    def test_freeing_either_side_keeps_what_the_other_holds(self):
+        kv = KVCacheManager(num_blocks=8, block_size=4)
+        a, b = make_request("a", list(range(1, 11))), make_request("b", list(range(1, 11)))
+        compute(kv, a, 10)
+        kv.fork(a, b, 9)
+        kv.free(a)
+        assert kv.pool.num_used == 3 and all(kv.pool.blocks[i].ref_cnt == 1 for i in b.block_ids)
+        kv.free(b)
+        assert kv.pool.num_used == 0
+
+    def test_a_short_pool_forks_nothing(self):
+        kv = KVCacheManager(num_blocks=3, block_size=4)
+        a = make_request("a", list(range(1, 11)))
+        compute(kv, a, 10)
+        b = make_request("b", list(range(1, 11)))
+        before = copy.deepcopy(manager_state(kv, a, b))
+        assert kv.fork(a, b, 9) is None
+        assert manager_state(kv, a, b) == before
+
+
 def test_manager_state_helper_sees_changes():
     """Guard for the no-side-effect tests: the snapshot must notice a real change."""
     kv = KVCacheManager(num_blocks=4, block_size=2)

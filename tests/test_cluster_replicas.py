@@ -1,13 +1,11 @@
-"""Several replicas behind the router: spreading load, rescaling by config, surviving a killed replica
-(its streams go on elsewhere), and a bounded load test. Real Ray, real HTTP on loopback."""
+"""Several replicas behind the router: spreading load, rescaling by config, and a bounded load test.
+Real Ray, real HTTP on loopback. Killed replicas and their streams: test_chaos.py."""
 
 import asyncio
-import json
 import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 
 from kvloom.cluster.cli import DEFAULT_CONFIG
@@ -43,10 +41,8 @@ def two_replicas(ray_serve, deploy_app, tmp_path_factory):
     return ray_serve, router
 
 
-async def complete(client: httpx.AsyncClient, prompt: str, max_tokens: int = 12, stream: bool = False,
-                   ignore_eos: bool = False) -> dict:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
-            "ignore_eos": ignore_eos}
+async def complete(client: httpx.AsyncClient, prompt: str, max_tokens: int = 12, stream: bool = False) -> dict:
+    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if not stream:
         response = await client.post("/v1/completions", json=body)
         return {"status": response.status_code, "body": response.json()}
@@ -59,16 +55,8 @@ async def complete(client: httpx.AsyncClient, prompt: str, max_tokens: int = 12,
     return {"status": response.status_code, "events": events}
 
 
-def streamed_text(events: list[str]) -> str:
-    return "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
-
-
 def running_replicas() -> int:
     return serve.status().applications["kvloom"].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
-
-
-def replica_actor(replica_id: str):
-    return ray.get_actor(f"SERVE_REPLICA::kvloom#EngineReplica#{replica_id}", namespace="serve")
 
 
 def test_concurrent_requests_use_both_replicas(two_replicas):
@@ -110,43 +98,6 @@ def test_a_replica_sends_its_channel_a_step_of_every_request_per_message(two_rep
     hello, replies, tokens, messages = asyncio.run(asyncio.wait_for(run(), timeout=120))
     assert hello == {"replica": target, "chunks": []} and replies == [{"replica": target}] * 4
     assert messages < sum(len(t) for t in tokens.values()) / 2
-
-
-def test_streams_of_a_killed_replica_go_on_elsewhere_with_the_text_of_an_uninterrupted_run(two_replicas):
-    base, router = two_replicas
-    prompts = [f"Tell me about city {i}:" for i in range(16)]
-
-    async def load(kill: bool):
-        async with httpx.AsyncClient(base_url=base, timeout=120) as client:
-            tasks = [asyncio.create_task(complete(client, p, 48, stream=i % 4 != 0, ignore_eos=True))
-                     for i, p in enumerate(prompts)]
-            if kill:
-                await asyncio.sleep(4)
-                victim = (await router.replica_stats.remote())[0]["replica_id"]
-                ray.kill(replica_actor(victim), no_restart=True)
-            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=240)  # no client hangs
-
-    killed = asyncio.run(load(kill=True))
-    deadline = time.monotonic() + 120  # Serve replaces the dead replica and the router sees it
-    while len(router.replica_stats.remote().result()) != 2 or running_replicas() != 2:
-        assert time.monotonic() < deadline, "replica was not replaced"
-        time.sleep(0.5)
-    uninterrupted = asyncio.run(load(kill=False))
-    for cut, whole in zip(killed, uninterrupted):
-        assert cut["status"] == whole["status"] == 200
-        if "events" in cut:  # streamed: no error, the same text, each token counted once
-            assert cut["events"][-1] == "[DONE]" and not any('"error"' in e for e in cut["events"])
-            assert streamed_text(cut["events"]) == streamed_text(whole["events"])
-            assert json.loads(cut["events"][-2])["usage"]["completion_tokens"] == 48
-        else:
-            assert cut["body"]["choices"][0]["text"] == whole["body"]["choices"][0]["text"]
-            assert cut["body"]["usage"]["completion_tokens"] == 48
-    metrics = httpx.get(f"{base}/metrics").text  # some streams were cut mid-way (not only queued ones retried)
-    assert 'kvloom:requests_moved_total{how="continued",tenant="default"}' in metrics, metrics
-    deadline = time.monotonic() + 10  # the replicas' next stats pushes show every block free
-    while any(s["kv_cache_usage"] for s in router.replica_stats.remote().result()):
-        assert time.monotonic() < deadline, "KV blocks held after every request ended"
-        time.sleep(0.5)
 
 
 def test_bounded_load_200_requests_32_concurrent(two_replicas):

@@ -71,6 +71,27 @@ def test_prefix_cache_hits_match_generate(tiny_model_dir, prompts, expected, dri
     assert engine.stats().prefix_cache_hits > 0
 
 
+def test_choices_forking_a_siblings_prompt_match_generate(tiny_model_dir, prompts, expected):
+    """n > 1: choice 1 arrives once choice 0 has its first token (as the router sends them) and forks its
+    prompt's KV (full blocks shared, a partial last block copied): it computes only the prompt's last token."""
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"first{i}", prompt, GREEDY)
+    finished = {}
+    while not all(engine.requests[f"first{i}"].output_token_ids for i in range(len(prompts))):
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for i, prompt in enumerate(prompts):
+        second = engine.make_request(f"second{i}", prompt, GREEDY)
+        second.fork_of = f"first{i}"
+        engine.add_prepared(second)
+    while engine.has_unfinished():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+    for name in ("first", "second"):
+        assert [finished[f"{name}{i}"].outputs[0].token_ids for i in range(len(prompts))] == expected
+    assert [finished[f"second{i}"].num_cached_tokens for i in range(len(prompts))] == [len(p) - 1 for p in prompts]
+    assert engine.kv.pool.num_used == 0
+
+
 def test_requests_added_mid_decode_match_generate(tiny_model_dir, prompts, expected, drive):
     engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=8)
     half = len(prompts) // 2
