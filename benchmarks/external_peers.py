@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,6 +53,10 @@ class PeerInstall:
     @property
     def ready(self) -> bool:
         return self.executable.is_file()
+
+    @property
+    def missing(self) -> str:
+        return f"not set up: run `{self.setup_command}`"
 
 
 def vllm_install() -> PeerInstall:
@@ -165,7 +171,7 @@ def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb
 
 
 def _not_set_up(spec: SystemSpec, install: PeerInstall) -> SystemResult:
-    return SystemResult(spec, f"not set up: run `{install.setup_command}`", None, [], {}, 0.0)
+    return SystemResult(spec, install.missing, None, [], {}, 0.0)
 
 
 def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
@@ -199,51 +205,71 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     return result
 
 
-def _server(spec: SystemSpec, settings: BenchSettings, workload: Workload, port: int, scratch: Path):
-    """(command, environment, install) for an HTTP peer, or None for the install when nothing is needed."""
+def server_command(spec: SystemSpec, settings: BenchSettings, max_model_len: int, port: int, scratch: Path):
+    """(command, environment, install) for an HTTP server, or None for the install when nothing is needed."""
     dtype = spec.engine.get("dtype")
-    max_len = _max_model_len(workload)
     if spec.kind == "vllm-serve":
         install = vllm_install()
         return (vllm_server_command(install.executable, resolve_model_dir(settings.model), port, settings,
-                                    dtype or "bfloat16", max_len), vllm_env(settings), install)
+                                    dtype or "bfloat16", max_model_len), vllm_env(settings), install)
     if spec.kind == "llama.cpp":
         install = llama_cpp_install()
         gguf = llama_gguf(dtype or "f16")
         if not gguf.is_file():
             install = PeerInstall(gguf, install.setup_command)
-        return llama_server_command(install.executable, gguf, port, settings, max_len), {}, install
+        return llama_server_command(install.executable, gguf, port, settings, max_model_len), {}, install
     config = scratch / "kvloom-serve.yaml"
-    config.write_text(yaml.safe_dump(kvloom_serve_config(settings, port, dtype or "auto")))
+    config.write_text(yaml.safe_dump({**kvloom_serve_config(settings, port, dtype or "auto"), **spec.serve}))
     return kvloom_serve_command(config), {}, None
 
 
-def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
-                  limit_s: float) -> SystemResult:
-    """Start the server, wait for /health, replay the workload over streaming HTTP, stop the server."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+class ServerUnavailable(Exception):
+    """The server is not set up (the message names its set-up command) or did not start."""
+
+
+@dataclass
+class Server:
+    base: str  # http://127.0.0.1:<port>
+    process: subprocess.Popen
+    rss: PeakTreeRSS  # sampled from the start, start-up included
+
+
+@contextmanager
+def running_server(spec: SystemSpec, settings: BenchSettings, max_model_len: int, log_path: Path) -> Iterator[Server]:
+    """Start an HTTP server as its own process tree, wait for /health, yield it; stop the whole tree after.
+    Raises ServerUnavailable when it is not set up or does not start."""
     port = free_port()
     with tempfile.TemporaryDirectory() as scratch:
-        command, env, install = _server(spec, settings, workload, port, Path(scratch))
+        command, env, install = server_command(spec, settings, max_model_len, port, Path(scratch))
         if install is not None and not install.ready:
-            return _not_set_up(spec, install)
+            raise ServerUnavailable(install.missing)
         base = f"http://127.0.0.1:{port}"
-        start = time.monotonic()
-        with (out_dir / "log.txt").open("w") as log:
+        with log_path.open("w") as log:
             process = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log,
                                        start_new_session=True)
             try:
                 with PeakTreeRSS(process.pid) as rss:
                     if not wait_for(lambda: _healthy(base) or process.poll() is not None, SERVER_START_S) \
                             or process.poll() is not None:
-                        return SystemResult(spec, f"error: the server did not start (see {out_dir / 'log.txt'})",
-                                            None, [], {}, time.monotonic() - start)
-                    loaded_mb = tree_rss_mb(process.pid)
-                    left = max(limit_s - (time.monotonic() - start), 60.0)
-                    records, wall = asyncio.run(replay_http(base, workload, SERVED_NAME, timeout_s=left))
+                        raise ServerUnavailable(f"error: the server did not start (see {log_path})")
+                    yield Server(base, process, rss)
             finally:
                 stop_tree(process)
-    return _result(spec, records, wall, rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
+
+
+def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
+                  limit_s: float) -> SystemResult:
+    """Start the server, wait for /health, replay the workload over streaming HTTP, stop the server."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    try:
+        with running_server(spec, settings, _max_model_len(workload), out_dir / "log.txt") as server:
+            loaded_mb = tree_rss_mb(server.process.pid)
+            left = max(limit_s - (time.monotonic() - start), 60.0)
+            records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left))
+    except ServerUnavailable as exc:
+        return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
+    return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
 
 
 def _healthy(base: str) -> bool:

@@ -48,6 +48,7 @@ class SystemSpec:
     batch_size: int = 0  # hf-static only
     engine: dict = field(default_factory=dict)  # kvloom EngineConfig overrides
     num_requests: int | None = None  # run only the first N requests (a stated subset)
+    serve: dict = field(default_factory=dict)  # kvloom-serve only: top-level config (tenants, admin keys)
 
 
 @dataclass
