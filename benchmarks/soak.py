@@ -27,7 +27,7 @@ import numpy as np
 from kvloom.benchmarks.bench import environment
 from kvloom.benchmarks.external_peers import HERE, SERVED_NAME, running_server
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
-from kvloom.benchmarks.process_tree import tree_rss_mb
+from kvloom.benchmarks.process_tree import tree_rss_mb, wait_for
 from kvloom.benchmarks.report import _pyplot, environment_lines
 
 RESULTS_DIR = HERE / "results"
@@ -187,12 +187,11 @@ def watch(base: str, pid: int, plan: SoakPlan, soak: Soak, began: float, stop: t
 
 def settle(base: str, timeout_s: float = 30.0) -> float:
     """KV usage once the load is gone (the replicas push stats twice a second): it must reach 0."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        kv, running = replica_gauges(httpx.get(f"{base}/metrics", timeout=10).text)
-        if (kv == 0 and running == 0) or time.monotonic() > deadline:
-            return kv
-        time.sleep(1)
+    def gauges() -> tuple[float, int]:
+        return replica_gauges(httpx.get(f"{base}/metrics", timeout=10).text)
+
+    wait_for(lambda: gauges() == (0.0, 0), timeout_s, period_s=1.0)
+    return gauges()[0]
 
 
 def tenant_usage(base: str) -> dict[str, int]:
