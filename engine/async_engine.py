@@ -258,6 +258,7 @@ class AsyncLLMEngine:
             raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
         if not self._thread.is_alive() and not self._stopped:
             raise EngineDeadError("engine loop is not running")
+        self.engine.runner.check_health()  # a tensor-parallel worker that died: at once, not at the next step
 
     def shutdown(self) -> None:
         self._stopped = True
@@ -324,3 +325,5 @@ class AsyncLLMEngine:
             self.dead_error = exc
             for sink in {id(sink): sink for sink in list(self._streams.values())}.values():
                 sink.fail(EngineDeadError(f"engine loop died: {exc!r}"))
+        finally:
+            self.engine.shutdown()

@@ -44,13 +44,23 @@ class Checkpoint:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor as the checkpoint's dtype, or as `dtype` where a caller keeps it wider."""
+        tensor = self._read(name, lambda f: f.get_tensor(name))
+        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+
+    def get_slice(self, name: str, dim: int, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Only [start, end) of dimension `dim` (0 or 1), read from the file without the rest (a tensor-parallel
+        rank's share)."""
+        index = (slice(start, end),) if dim == 0 else (slice(None), slice(start, end))
+        tensor = self._read(name, lambda f: f.get_slice(name)[index])
+        return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
+
+    def _read(self, name: str, read) -> torch.Tensor:
         path = self._files.get(name)
         if path is None:
             raise ModelLoadError(f"the checkpoint in {self.model_dir} has no tensor {name}")
         try:
             if path not in self._open:
                 self._open[path] = safe_open(path, framework="pt")
-            tensor = self._open[path].get_tensor(name)
+            return read(self._open[path])
         except (OSError, SafetensorError) as exc:
             raise ModelLoadError(f"cannot read {name} from {path}: {exc}") from exc
-        return tensor.to(device=self.device, dtype=dtype or self.dtype)

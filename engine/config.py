@@ -67,6 +67,11 @@ class EngineConfig(BaseModel):
     # auto: kvloom's fused decoder (engine/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     seed: int = 0
+    # ranks a replica's model is split over (Megatron-style, see engine/tp_shards.py); on one host they share
+    # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one
+    tensor_parallel_size: int = Field(1, ge=1)
+    # every collective of a tensor-parallel replica gives up after this long: a dead rank is an error, not a hang
+    distributed_timeout_s: float = Field(60.0, gt=0)
     speculative_config: SpeculativeConfig | None = None
 
     @field_validator("block_size")
@@ -75,3 +80,15 @@ class EngineConfig(BaseModel):
         if value & (value - 1):
             raise ValueError(f"block_size must be a power of two, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _tensor_parallel_limits(self) -> "EngineConfig":
+        if self.tensor_parallel_size == 1:
+            return self
+        if self.model_impl == "transformers":
+            raise ValueError("tensor_parallel_size > 1 runs kvloom's fused decoder, not model_impl transformers")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            raise ValueError(f"speculative method {spec.method} drafts with a model outside the tensor-parallel "
+                             "ranks; with tensor_parallel_size > 1 use ngram")
+        return self

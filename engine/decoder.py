@@ -28,13 +28,13 @@ says why.
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from kvloom.engine.attention import ForwardContext
 from kvloom.engine.checkpoint import Checkpoint
 from kvloom.engine.host_memory import release_pages
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
+from kvloom.engine.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.kernels.packed_linear import PackedLinear
 
@@ -55,7 +55,11 @@ class FusedLayer:
 class FusedDecoder:
     """hidden states = FusedDecoder(...)(input_ids [T], positions [T], context); logits(hidden)."""
 
-    def __init__(self, config: ModelConfig, checkpoint: Checkpoint) -> None:
+    def __init__(self, config: ModelConfig, checkpoint: Checkpoint,
+                 group: SingleDevice | TensorParallelGroup = SingleDevice()) -> None:
+        """`config` and `checkpoint` as this rank sees them: a tensor-parallel rank's heads, MLP width and
+        vocabulary range, with `group` reducing its partial sums (see tp_shards.py)."""
+        self.group = group
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -79,9 +83,10 @@ class FusedDecoder:
                 gate_up=_pack(checkpoint, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
                 down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
             ))
+        self.head_shares_embedding = config.tie_word_embeddings and self.dtype == torch.float32
         if not config.tie_word_embeddings:
             self.lm_head = _pack(checkpoint, ["lm_head"])
-        elif self.dtype == torch.float32:
+        elif self.head_shares_embedding:
             self.lm_head = PackedLinear.share(self.embed)
         else:
             self.lm_head = PackedLinear.pack(self.embed)
@@ -116,7 +121,7 @@ class FusedDecoder:
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         # a fresh float32 tensor: the residual stream, updated in place
-        residual = F.embedding(input_ids, self.embed).float()
+        residual = self.group.embed(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions)
         dtype, eps = self.dtype, self.eps
         meta, backend = context.meta, context.backend
@@ -131,8 +136,8 @@ class FusedDecoder:
             backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
             out = backend.paged_attention(q.view(num_tokens, heads, head_dim), key_cache, value_cache, meta,
                                           self.scale)
-            hidden = add_rms_norm_(residual, layer.o_proj(out.reshape(num_tokens, -1)), layer.post_attention_norm,
-                                   eps, dtype)
+            attention_out = self.group.all_reduce(layer.o_proj(out.reshape(num_tokens, -1)))
+            hidden = add_rms_norm_(residual, attention_out, layer.post_attention_norm, eps, dtype)
             hidden = self._mlp(layer, hidden, residual, next_norm)
         return hidden
 
@@ -146,12 +151,22 @@ class FusedDecoder:
         chunks = []
         for i in range(0, hidden.shape[0], MLP_ROWS):
             rows = slice(i, i + MLP_ROWS)
-            mlp_out = layer.down(silu_and_mul(layer.gate_up(hidden[rows])))
+            mlp_out = self.group.all_reduce(layer.down(silu_and_mul(layer.gate_up(hidden[rows]))))
             chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps, self.dtype))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab]; under tensor parallelism on rank 0 only (None on the others)."""
+        return self.group.gather_logits(self.lm_head(hidden))
+
+    def weight_bytes(self) -> int:
+        """Bytes of every weight this decoder holds (a shared LM head counted once)."""
+        tensors = [self.embed, self.final_norm] + [t for layer in self.layers for t in (
+            layer.input_norm, layer.post_attention_norm, *(linear.weight for linear in (
+                layer.qkv, layer.o_proj, layer.gate_up, layer.down)))]
+        if not self.head_shares_embedding:
+            tensors.append(self.lm_head.weight)
+        return sum(t.numel() * t.element_size() for t in tensors)  # oneDNN's packed layout: its dense size
 
 
 def _pack(checkpoint: Checkpoint, prefixes: list[str]) -> PackedLinear:

@@ -16,7 +16,9 @@ from kvloom.engine.detokenizer import IncrementalDetokenizer
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.model_loader import load_model
+from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.model_loader import load_decoder, load_tokenizer
 from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvloom.engine.request import Request, RequestStatus
@@ -26,6 +28,8 @@ from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
 from kvloom.engine.speculative import SpecDecodeStats, build_speculator
 from kvloom.engine.structured_output import GrammarCompiler
+from kvloom.engine.tp_runner import start_tensor_parallel
+from kvloom.engine.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype, host_isa
 
@@ -78,7 +82,10 @@ def resolve_dtype(requested: str, device: torch.device, isa: HostISA | None = No
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
+    def __init__(self, config: EngineConfig | None = None, tensor_parallel_launch: dict | None = None,
+                 **overrides) -> None:
+        """`tensor_parallel_launch`: how to start the other ranks (`start_tensor_parallel`'s keywords; default:
+        local processes)."""
         if overrides:  # on top of `config` if given; validated, so an unknown key still fails
             config = EngineConfig(**{**(config.model_dump() if config else {}), **overrides})
         config = config or EngineConfig()
@@ -86,8 +93,10 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
-        loaded = load_model(config.model, self.dtype, self.device, config.model_impl)
-        self.model_config, self.tokenizer, self.decoder = loaded.config, loaded.tokenizer, loaded.decoder
+        model_dir = resolve_model_dir(config.model)
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, self.model_config)
+        self.shards = plan_shards(self.model_config, config.tensor_parallel_size)
         context_length = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or context_length
         if self.max_model_len > context_length:
@@ -97,11 +106,21 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks(self.model_config.kv_bytes_per_token(self.kv_dtype))
+        if config.tensor_parallel_size == 1:  # loaded first: a CUDA budget is profiled on it
+            self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl)
+        # under tensor parallelism every rank holds the same blocks, each with its own KV heads: the widest
+        # rank's share sets how many fit its budget
+        self.num_blocks = self._num_blocks(max(s.local_config(self.model_config).kv_bytes_per_token(self.kv_dtype)
+                                               for s in self.shards))
         self._validate_limits()
-        backend = select_backend(config.attention_backend, self.device)
-        self.runner = ModelRunner(self.decoder, self.model_config, backend, self.num_blocks, self.block_size,
-                                  self.kv_dtype, self.device)
+        if config.tensor_parallel_size > 1:
+            self.runner = start_tensor_parallel(config, self.model_config, self.dtype, self.kv_dtype, self.device,
+                                                self.num_blocks, **(tensor_parallel_launch or {}))
+            self.decoder = self.runner.decoder
+        else:
+            backend = select_backend(config.attention_backend, self.device)
+            self.runner = ModelRunner(self.decoder, self.model_config, backend, self.num_blocks, self.block_size,
+                                      self.kv_dtype, self.device)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         trim_heap()  # what loading freed (measured on SmolLM2: ~45 MB)
         limits = SchedulerLimits(
@@ -129,6 +148,9 @@ class LLMEngine:
         block_bytes = bytes_per_token * self.block_size
         budget = self.config.kv_cache_memory_bytes
         if budget is None:
+            if self.device.type == "cuda" and self.config.tensor_parallel_size > 1:
+                raise ConfigError("kv_cache_memory_bytes", "set each rank's KV budget for tensor parallelism on "
+                                                           "CUDA (the memory profile runs one device's forward)")
             budget = self._profile_cuda_budget() if self.device.type == "cuda" else DEFAULT_CPU_KV_BYTES
         num_blocks = budget // block_bytes
         needed = -(-self.max_model_len // self.block_size)
@@ -287,6 +309,10 @@ class LLMEngine:
             return None
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         return self._finalize(request, [])
+
+    def shutdown(self) -> None:
+        """Stop what runs outside this process (tensor-parallel workers); the engine serves nothing after."""
+        self.runner.shutdown()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

@@ -16,6 +16,8 @@ from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.model_files import resolve_model_dir
 from kvloom.engine.stock_decoder import StockDecoder
+from kvloom.engine.tp_group import TensorParallelGroup
+from kvloom.engine.tp_shards import RankShard, ShardedCheckpoint
 
 
 def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
@@ -42,16 +44,31 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     model_dir = resolve_model_dir(model)
     config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(model_dir, config)
+    return LoadedModel(config, tokenizer, load_decoder(model_dir, config, dtype, device, model_impl))
+
+
+def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, group: TensorParallelGroup,
+                       dtype: torch.dtype, device: torch.device) -> FusedDecoder:
+    """One tensor-parallel rank's decoder, holding only its slices of the weights (see tp_shards.py)."""
+    checkpoint = Checkpoint.open(model_dir, dtype, device)
+    reason = FusedDecoder.unsupported(config, checkpoint)
+    if reason is not None:
+        raise ConfigError("tensor_parallel_size", f"tensor parallelism runs kvloom's fused decoder, which does not "
+                                                  f"cover this model ({reason})")
+    return FusedDecoder(shard.local_config(config), ShardedCheckpoint(checkpoint, shard, config), group)
+
+
+def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 model_impl: str) -> FusedDecoder | StockDecoder:
     if model_impl != "transformers":
         checkpoint = Checkpoint.open(model_dir, dtype, device)
         reason = FusedDecoder.unsupported(config, checkpoint)
         if reason is None:
-            return LoadedModel(config, tokenizer, FusedDecoder(config, checkpoint))
+            return FusedDecoder(config, checkpoint)
         if model_impl == "kvloom":
             raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
                                             "use auto or transformers")
     try:
-        decoder = StockDecoder.load(model_dir, dtype, device)
+        return StockDecoder.load(model_dir, dtype, device)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file raises SafetensorError
         raise ModelLoadError(f"cannot load model from {model_dir}: {exc}") from exc
-    return LoadedModel(config, tokenizer, decoder)

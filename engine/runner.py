@@ -15,6 +15,7 @@ from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rejection_sampler import verify
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
+from kvloom.engine.step_plan import StepInputs
 from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.metadata import AttentionMetadata
@@ -36,6 +37,7 @@ class ModelRunner:
         self, decoder: FusedDecoder | StockDecoder, config: ModelConfig, backend: AttentionBackend,
         num_blocks: int, block_size: int, kv_dtype: torch.dtype, device: torch.device,
     ) -> None:
+        """`config`: the model as this runner's decoder sees it (a tensor-parallel rank's KV heads only)."""
         self.decoder = decoder
         self.backend = backend
         self.block_size = block_size
@@ -45,6 +47,12 @@ class ModelRunner:
             (allocate_kv_cache(shape, kv_dtype, device), allocate_kv_cache(shape, kv_dtype, device))
             for _ in range(config.num_hidden_layers)
         ]
+
+    def check_health(self) -> None:
+        """Raises if a part of this runner outside the process died (see TensorParallelRunner)."""
+
+    def shutdown(self) -> None:
+        """Releases what lives outside the process (see TensorParallelRunner)."""
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -63,6 +71,19 @@ class ModelRunner:
     ) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of each request whose known tokens are all computed: one,
         or with drafted tokens (`spec_token_ids`, computed in this step too) those kept and the next."""
+        inputs, sample_requests = self.prepare(scheduled)
+        logits = self.forward(inputs)
+        if not sample_requests:
+            return {}
+        request_generators = [generators[r.request_id] for r in sample_requests]
+        if len(inputs.sample_rows) > len(sample_requests):
+            tokens = verify(logits, sample_requests, request_generators)
+        else:
+            tokens = [[token] for token in sample(logits, sample_requests, request_generators)]
+        return {r.request_id: t for r, t in zip(sample_requests, tokens)}
+
+    def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
+        """The step's flattened inputs, and the requests whose rows reach the LM head (in row order)."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -81,16 +102,15 @@ class ModelRunner:
                 sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
                 sample_requests.append(request)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        context = ForwardContext(meta, self.kv_caches, self.backend)
-        ids = torch.tensor(input_ids, device=self.device)
-        pos = torch.tensor(positions, device=self.device)
-        hidden = self.decoder(ids, pos, context)
-        if not sample_requests:
-            return {}
-        logits = self.decoder.logits(hidden[sample_rows])
-        request_generators = [generators[r.request_id] for r in sample_requests]
-        if len(sample_rows) > len(sample_requests):
-            tokens = verify(logits, sample_requests, request_generators)
-        else:
-            tokens = [[token] for token in sample(logits, sample_requests, request_generators)]
-        return {r.request_id: t for r, t in zip(sample_requests, tokens)}
+        inputs = StepInputs(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                            meta, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
+        return inputs, sample_requests
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The logits of the sample rows (None when there are none, or on a tensor-parallel worker)."""
+        context = ForwardContext(inputs.meta, self.kv_caches, self.backend)
+        hidden = self.decoder(inputs.input_ids, inputs.positions, context)
+        if not len(inputs.sample_rows):
+            return None
+        return self.decoder.logits(hidden[inputs.sample_rows])

@@ -57,6 +57,44 @@ def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2")
 
 
+SYSTEM = (
+    "You are a careful assistant for a team of engineers. Answer precisely, prefer short "
+    "sentences, show small examples when they help, and say when you are unsure."
+)
+PASSAGE = (
+    "The river rose slowly through the night, covering the lower fields first and then the road "
+    "that led to the old mill. By morning the villagers had moved their animals to the hill, "
+    "and the baker was handing out bread from the back of a cart. "
+)
+QUESTIONS = [
+    "What is 17 times 3?",
+    "Name three primary colors.",
+    "Write a haiku about autumn leaves.",
+    "Explain what a hash table is to a beginner.",
+    "Give me a short recipe for pancakes.",
+    "Why do cats purr?",
+    "Translate 'good morning' into French and Spanish.",
+    "List four planets of the solar system.",
+    "What does HTTP stand for?",
+    "Summarize the story below in one sentence.\n" + PASSAGE * 3,
+    "What happened to the road? Read this first:\n" + PASSAGE * 8,
+    "Who helped the villagers, according to this text?\n" + PASSAGE * 11,
+]
+RAW = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
+
+
+@pytest.fixture(scope="session")
+def smollm2_prompts(smollm2_dir) -> list[list[int]]:
+    """16 varied SmolLM2 prompts: 12 chat-templated with one system prompt (5 to ~600 tokens), then 4 raw."""
+    from kvloom.engine.model_loader import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    chats = [list(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                                                add_generation_prompt=True, tokenize=True, return_dict=False))
+             for q in QUESTIONS]
+    return chats + [tokenizer.encode(text) for text in RAW]
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers `generate`, batch 1, greedy: the reference our engine must match token for token."""
     from transformers import AutoModelForCausalLM

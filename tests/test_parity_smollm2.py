@@ -16,43 +16,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transfo
 MAX_NEW = 64
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 
-SYSTEM = (
-    "You are a careful assistant for a team of engineers. Answer precisely, prefer short "
-    "sentences, show small examples when they help, and say when you are unsure."
-)
-PASSAGE = (
-    "The river rose slowly through the night, covering the lower fields first and then the road "
-    "that led to the old mill. By morning the villagers had moved their animals to the hill, "
-    "and the baker was handing out bread from the back of a cart. "
-)
-QUESTIONS = [
-    "What is 17 times 3?",
-    "Name three primary colors.",
-    "Write a haiku about autumn leaves.",
-    "Explain what a hash table is to a beginner.",
-    "Give me a short recipe for pancakes.",
-    "Why do cats purr?",
-    "Translate 'good morning' into French and Spanish.",
-    "List four planets of the solar system.",
-    "What does HTTP stand for?",
-    "Summarize the story below in one sentence.\n" + PASSAGE * 3,
-    "What happened to the road? Read this first:\n" + PASSAGE * 8,
-    "Who helped the villagers, according to this text?\n" + PASSAGE * 11,
-]
-RAW = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 5, 8,"]
-
-
 @pytest.fixture(scope="module")
-def engine_prompts(smollm2_dir) -> list[list[int]]:
-    engine = LLMEngine(dtype="float32", model=str(smollm2_dir), kv_cache_memory_bytes=64 << 20, max_model_len=1024)
-    chats = [engine.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
-             for q in QUESTIONS]
-    return chats + [engine.encode(text) for text in RAW]
-
-
-@pytest.fixture(scope="module")
-def expected(smollm2_dir, engine_prompts, greedy_reference):
-    return greedy_reference(smollm2_dir, engine_prompts, MAX_NEW)
+def expected(smollm2_dir, smollm2_prompts, greedy_reference):
+    return greedy_reference(smollm2_dir, smollm2_prompts, MAX_NEW)
 
 
 def make_engine(smollm2_dir, **knobs) -> LLMEngine:
@@ -63,51 +29,51 @@ def tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_prompts_cover_short_to_long(engine_prompts):
-    lengths = sorted(len(p) for p in engine_prompts)
-    assert len(engine_prompts) == 16
+def test_prompts_cover_short_to_long(smollm2_prompts):
+    lengths = sorted(len(p) for p in smollm2_prompts)
+    assert len(smollm2_prompts) == 16
     assert lengths[0] <= 5 and 550 <= lengths[-1] <= 700
 
 
-def test_one_concurrent_batch(smollm2_dir, engine_prompts, expected, drive):
+def test_one_concurrent_batch(smollm2_dir, smollm2_prompts, expected, drive):
     engine = make_engine(smollm2_dir)
-    assert tokens(drive(engine, engine_prompts, GREEDY)) == expected
+    assert tokens(drive(engine, smollm2_prompts, GREEDY)) == expected
 
 
-def test_chunked_prefill_budget_32(smollm2_dir, engine_prompts, expected, drive):
+def test_chunked_prefill_budget_32(smollm2_dir, smollm2_prompts, expected, drive):
     engine = make_engine(smollm2_dir, max_num_batched_tokens=32, max_num_seqs=16)
-    assert tokens(drive(engine, engine_prompts, GREEDY)) == expected
+    assert tokens(drive(engine, smollm2_prompts, GREEDY)) == expected
 
 
-def test_small_pool_preempts(smollm2_dir, engine_prompts, expected, drive):
+def test_small_pool_preempts(smollm2_dir, smollm2_prompts, expected, drive):
     per_block = ModelConfig.from_dir(smollm2_dir).kv_bytes_per_token(torch.float32) * 16
     # 44 blocks: room for one request of max_model_len (704) tokens, far less than the batch needs
     engine = LLMEngine(dtype="float32", model=str(smollm2_dir), max_model_len=704, kv_cache_memory_bytes=44 * per_block)
-    assert tokens(drive(engine, engine_prompts, GREEDY)) == expected
+    assert tokens(drive(engine, smollm2_prompts, GREEDY)) == expected
     assert engine.stats().num_preemptions > 0
 
 
-def test_shared_system_prompt_hits_prefix_cache(smollm2_dir, engine_prompts, expected, drive):
+def test_shared_system_prompt_hits_prefix_cache(smollm2_dir, smollm2_prompts, expected, drive):
     engine = make_engine(smollm2_dir)
-    arrivals = {0: [0], 2: list(range(1, len(engine_prompts)))}
-    assert tokens(drive(engine, engine_prompts, GREEDY, arrivals)) == expected
+    arrivals = {0: [0], 2: list(range(1, len(smollm2_prompts)))}
+    assert tokens(drive(engine, smollm2_prompts, GREEDY, arrivals)) == expected
     assert engine.stats().prefix_cache_hits > 0
 
 
-def test_requests_added_mid_decode(smollm2_dir, engine_prompts, expected, drive):
+def test_requests_added_mid_decode(smollm2_dir, smollm2_prompts, expected, drive):
     engine = make_engine(smollm2_dir)
     arrivals = {0: list(range(0, 16, 2)), 10: list(range(1, 16, 2))}
-    assert tokens(drive(engine, engine_prompts, GREEDY, arrivals)) == expected
+    assert tokens(drive(engine, smollm2_prompts, GREEDY, arrivals)) == expected
 
 
 BF16_PREFIX = 8  # tokens that most bfloat16 outputs must share with float32's
 
 
-def test_bfloat16_agrees_with_float32_on_the_first_tokens(smollm2_dir, engine_prompts, expected, drive):
+def test_bfloat16_agrees_with_float32_on_the_first_tokens(smollm2_dir, smollm2_prompts, expected, drive):
     """bfloat16 keeps 8 significant bits of weights and activations, so a near-tie can flip a greedy pick,
     and the rest of that output then follows another path, as vLLM's bfloat16 does against its own float32
     (37 of W1's 64 outputs identical). Measured on these 16 prompts (Xeon, AMX): 15 share their first 9
     tokens with float32, 14 their first 14, 4 all 64; one flips its first token. Held: 12 share 8."""
-    got = tokens(drive(make_engine(smollm2_dir, dtype="bfloat16"), engine_prompts, GREEDY))
+    got = tokens(drive(make_engine(smollm2_dir, dtype="bfloat16"), smollm2_prompts, GREEDY))
     agreeing = [g[:BF16_PREFIX] == e[:BF16_PREFIX] for g, e in zip(got, expected)]
     assert sum(agreeing) >= 12, agreeing
