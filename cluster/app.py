@@ -57,6 +57,12 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     # JSON: Serve's console lines too (see cluster/logs.py); text needs nothing in the processes' environment
     log_format = {LOG_FORMAT_ENV: "json"} if log_encoding == "JSON" else {}
 
+    ranks = config.engine.tensor_parallel_size
+    rank_resources = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+    # a tensor-parallel replica: one bundle per rank, in a placement group Serve makes (and remakes) per replica
+    placement = {"placement_group_bundles": [{"CPU": resources.num_cpus, "GPU": resources.num_gpus}] * ranks,
+                 "placement_group_strategy": resources.placement_strategy} if ranks > 1 else {}
+
     def replica_deployment(cls, name: str, replica_scaling: dict):
         return serve.deployment(cls).options(
             name=name,
@@ -68,6 +74,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
             health_check_timeout_s=30,
             graceful_shutdown_timeout_s=5,
             logging_config=logs,
+            **placement,
             **replica_scaling,
         )
 
@@ -85,7 +92,8 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     engine = config.engine.model_dump(exclude_unset=True)
     if preempts:
         engine.setdefault("scheduling_policy", "priority")
-    replica_args = {"router_name": ROUTER_NAME, "torch_threads": resources.torch_threads}
+    replica_args = {"router_name": ROUTER_NAME, "torch_threads": resources.torch_threads,
+                    "rank_resources": rank_resources}
     disagg = config.disaggregation
     if disagg.enabled:
         settings["disagg_transport"] = disagg.transport

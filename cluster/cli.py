@@ -49,18 +49,21 @@ def _status(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kvloom.cluster.app import ROUTER_NAME
+    from kvloom.cluster.serve_command import describe_rank
 
     _connect(args.address)
     replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
     print(f"{len(replicas)} replica(s)")
-    header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'threads':>7} {'running':>7} {'waiting':>7} "
+    header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'tp':>3} {'threads':>7} {'running':>7} {'waiting':>7} "
               f"{'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7}")
     print(header)
     for r in replicas:
         hit = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
-        print(f"{r['replica_id']:<10} {r['device']:<7} {r['dtype']:<9} {r['torch_threads']:>7} {r['num_running']:>7} "
-              f"{r['num_waiting']:>7} {r['inflight']:>8} {r['kv_cache_usage']:>8.1%} {hit:>10.1%} "
-              f"{r['num_preemptions']:>7}")
+        print(f"{r['replica_id']:<10} {r['device']:<7} {r['dtype']:<9} {r['tensor_parallel_size']:>3} "
+              f"{r['torch_threads']:>7} {r['num_running']:>7} {r['num_waiting']:>7} {r['inflight']:>8} "
+              f"{r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7}")
+        for rank in r["ranks"]:
+            print("  " + describe_rank(rank, r["ranks"]))
     return 0
 
 

@@ -17,8 +17,14 @@ class Strict(BaseModel):
 
 
 class ReplicaResources(Strict):
+    """What one replica asks Ray for; under tensor parallelism, what each of its ranks asks for (one bundle
+    each, in one placement group per replica)."""
+
     num_cpus: float = Field(1, ge=0)
     num_gpus: float = Field(0, ge=0)
+    placement_strategy: Literal["STRICT_PACK", "PACK"] = Field(
+        "STRICT_PACK", description="a tensor-parallel replica's ranks: all on one node (STRICT_PACK: their "
+                                   "all-reduces stay on the node's links), or packed where they fit (PACK)")
     torch_threads: int | None = Field(
         None, ge=1, description="intra-op threads per CPU replica; default: the node's CPUs split evenly "
                                 "among the replicas on it (a lone replica uses them all)")
@@ -71,6 +77,14 @@ class ClusterConfig(Strict):
     @model_validator(mode="after")
     def _unique_tenants(self) -> "ClusterConfig":
         check_unique(self.tenants, self.admin_keys)
+        return self
+
+    @model_validator(mode="after")
+    def _tensor_parallel_handoff(self) -> "ClusterConfig":
+        if self.disaggregation.enabled and self.engine.tensor_parallel_size > 1:
+            raise ValueError("disaggregation: the KV hand-off moves one rank's cache; with engine."
+                             f"tensor_parallel_size {self.engine.tensor_parallel_size} it would leave the other "
+                             "ranks' heads behind (not supported yet)")
         return self
 
     @property

@@ -39,13 +39,27 @@ def _raise_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def describe_rank(rank: dict, ranks: list[dict]) -> str:
+    """One tensor-parallel rank: where it runs and its share (uneven splits show in the KV heads and bytes)."""
+    kv_total = sum(r["kv_heads"][1] - r["kv_heads"][0] for r in ranks)
+    weights = rank["weight_bytes"] / sum(r["weight_bytes"] for r in ranks)
+    heads, kv = rank["heads"], rank["kv_heads"]
+    return (f"rank {rank['rank']}: {rank['placement']}; query heads {heads[0]}-{heads[1] - 1}, KV heads "
+            f"{kv[0]}-{kv[1] - 1} ({kv[1] - kv[0]} of {kv_total}), {weights:.1%} of the weights "
+            f"({rank['weight_bytes'] / 2**20:.0f} MiB), KV pool {rank['kv_bytes'] / 2**20:.0f} MiB")
+
+
 def _startup_summary(config: ClusterConfig, replicas: list[dict]) -> None:
     for r in replicas:
         tokens = r["num_blocks"] * r["block_size"]
-        say(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s), "
+        ranks = r["tensor_parallel_size"]
+        say(f"  replica {r['replica_id']}: {r['device']}, {r['dtype']}, {r['torch_threads']} torch thread(s)"
+            f"{f' on each of {ranks} tensor-parallel ranks' if ranks > 1 else ''}, "
             f"{r['num_blocks']} KV blocks ({tokens} tokens), up to {r['max_num_seqs']} sequences",
             replica=r["replica_id"], device=r["device"], dtype=r["dtype"], torch_threads=r["torch_threads"],
-            kv_blocks=r["num_blocks"], kv_tokens=tokens, max_num_seqs=r["max_num_seqs"])
+            tensor_parallel_size=ranks, kv_blocks=r["num_blocks"], kv_tokens=tokens, max_num_seqs=r["max_num_seqs"])
+        for rank in r["ranks"]:
+            say("    " + describe_rank(rank, r["ranks"]), replica=r["replica_id"], rank=rank["rank"])
     url = f"http://{config.http.host}:{config.http.port}"
     say(f"kvloom is serving {config.model_name} with {len(replicas)} replica(s) at {url}/v1  (Ctrl-C stops)",
         model=config.model_name, replicas=len(replicas), url=f"{url}/v1")

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.errors import EngineDeadError
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
@@ -26,10 +27,6 @@ from kvloom.engine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The step loop crashed; the engine serves nothing more."""
 
 
 @dataclass
@@ -153,7 +150,8 @@ class OutputBatches:
 
 
 class AsyncLLMEngine:
-    def __init__(self, config: EngineConfig | None = None, num_threads: int | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, num_threads: int | None = None,
+                 tensor_parallel_launch: dict | None = None) -> None:
         """Loads the model on the engine's own thread, the one that will run every step, and returns once
         it is loaded (or raises what loading raised). `num_threads`: torch intra-op threads for it.
 
@@ -161,8 +159,9 @@ class AsyncLLMEngine:
         loading elsewhere puts libgomp's threads over the CPU count, where libgomp waits with its short
         throttled spin instead of GOMP_SPINCOUNT's (as its environment handling reads), so ops pay the
         kernel's wake-up again. Loaded on another thread, W1 ran at 391 out tok/s; on the stepping
-        thread, 565 (in-process, measured).
+        thread, 565 (in-process, measured). `tensor_parallel_launch`: see LLMEngine.
         """
+        self._tensor_parallel_launch = tensor_parallel_launch
         self.num_threads = num_threads
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream | OutputBatches] = {}
@@ -306,7 +305,7 @@ class AsyncLLMEngine:
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         try:
-            self.engine = LLMEngine(config)
+            self.engine = LLMEngine(config, self._tensor_parallel_launch)
         except BaseException as exc:  # raised to the constructor's caller
             self.dead_error = exc
             return

@@ -19,3 +19,8 @@ class ConfigError(ValueError):
 
 class ModelLoadError(ValueError):
     """The model named in the config cannot be used; the message says why."""
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop crashed (a tensor-parallel rank died, say); the engine serves nothing more, and its replica
+    is as good as gone: the router moves its requests on."""

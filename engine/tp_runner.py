@@ -9,6 +9,7 @@ and any collective it leaves unfinished fails within the group's timeout, naming
 
 import logging
 import multiprocessing
+import os
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 class Workers(Protocol):
     def dead(self) -> str | None: ...  # which worker died, if one did
-    def placements(self) -> list[str]: ...  # where each worker runs, rank 1 first
+    def placements(self) -> list[str]: ...  # where each rank runs, rank 0 (this process) first
     def stop(self) -> None: ...
 
 
@@ -52,7 +53,7 @@ class LocalWorkers:
         return None
 
     def placements(self) -> list[str]:
-        return [f"local process {process.pid}" for process in self.processes]
+        return [f"this process ({os.getpid()})", *(f"local process {process.pid}" for process in self.processes)]
 
     def stop(self) -> None:
         for process in self.processes:
@@ -77,6 +78,7 @@ class TensorParallelRunner(ModelRunner):
         self.group = group
         self.workers = workers
         self.reports: list[RankReport] = []
+        self.num_threads = torch.get_num_threads()  # each rank's (set at start)
         self._lock = threading.Lock()  # one plan on the wire at a time (the step loop and the keep-alive)
         self._last_plan = time.monotonic()
         self._stopped = threading.Event()
@@ -170,8 +172,9 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     if failed:
         runner.shutdown()
         raise ModelLoadError(f"tensor-parallel rank(s) {failed} could not load their shards (see their logs)")
-    placements = ["driver (this process)"] + workers.placements()
+    placements = workers.placements()
     runner.reports = [RankReport(shard, where, weights, kv) for shard, where, (weights, kv)
                       in zip(shards, placements, held)]
+    runner.num_threads = num_threads
     runner._keepalive.start()
     return runner

@@ -57,19 +57,35 @@ def engine_device(config: EngineConfig) -> EngineConfig:
     return config.model_copy(update={"device": "cpu"})
 
 
+def rank_summary(report) -> dict:
+    """A tensor-parallel rank as `kvloom status` shows it."""
+    shard = report.shard
+    return {"rank": shard.rank, "placement": report.placement, "heads": list(shard.heads),
+            "kv_heads": list(shard.kv_heads), "weight_bytes": report.weight_bytes, "kv_bytes": report.kv_bytes}
+
+
 class EngineReplica:
     role = "colocated"
 
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
-                       torch_threads: int | None = None) -> None:
+                       torch_threads: int | None = None, rank_resources: dict | None = None) -> None:
+        """`rank_resources`: num_cpus and num_gpus of each tensor-parallel rank's bundle."""
         from kvloom.engine.async_engine import AsyncLLMEngine
 
         serve_logger_as_json()
         self.config = engine_device(EngineConfig(**engine_config))
         self.cpus = usable_cpus()
-        self.fixed_threads = torch_threads
+        # a tensor-parallel replica splits its threads among its ranks once, at start (see tp_runner.py)
+        self.fixed_threads = torch_threads or self.config.tensor_parallel_size > 1
         self.threads = torch_threads or self.cpus  # a lone replica until the router counts others beside it
-        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, self.threads)
+        launch = None
+        if self.config.tensor_parallel_size > 1:
+            from kvloom.replicas.tp_workers import ray_launch
+
+            launch = ray_launch(self.config.device, **(rank_resources or {"num_cpus": 1, "num_gpus": 0}))
+        self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, self.threads, launch)
+        if launch:
+            self.threads = self.engine.engine.runner.num_threads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         logger.info("kvloom replica %s: %d torch thread(s) of the %d CPU(s) it may use (%s)", self.replica_id,
@@ -111,6 +127,8 @@ class EngineReplica:
             "node_id": self.node_id,
             "device": str(engine.device),
             "torch_threads": self.threads,
+            "tensor_parallel_size": self.config.tensor_parallel_size,
+            "ranks": [rank_summary(r) for r in getattr(engine.runner, "reports", [])],
             "dtype": str(engine.dtype).removeprefix("torch."),
             "max_num_seqs": self.config.max_num_seqs,
             "block_size": engine.block_size,

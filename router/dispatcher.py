@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import ray.exceptions
 
+from kvloom.engine.errors import EngineDeadError
 from kvloom.router.admission import AdmissionQueue, Ticket
 from kvloom.router.channels import ReplicaGone
 from kvloom.router.errors import APIError
@@ -27,6 +28,12 @@ from kvloom.router.metrics import RouterMetrics
 from kvloom.router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
+
+
+def replica_died(exc: Exception) -> bool:
+    """The replica is gone (its actor died or left), or its engine died and Serve is replacing it."""
+    return (isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaGone))
+            or isinstance(exc, EngineDeadError) or isinstance(getattr(exc, "cause", None), EngineDeadError))
 
 
 @dataclass
@@ -107,16 +114,16 @@ class Dispatcher:
                     finished = chunk.get("finish_reason") is not None or "error" in chunk
                     yield chunk
                 return
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, ReplicaGone) as exc:
+            except (ray.exceptions.RayError, ReplicaGone) as exc:
+                if not replica_died(exc):  # the replica raised (e.g. a KV hand-off timed out)
+                    logger.warning("replica %s errored on %s: %r", replica.replica_id, job.request_id, exc)
+                    raise APIError(500, f"replica failed: {type(exc).__name__}", code="replica_failed") from exc
                 self.admission.table.drop(replica.replica_id)
                 logger.warning("replica %s failed on %s after %d token(s): %r", replica.replica_id,
                                job.request_id, len(delivered.token_ids), exc)
                 if delivered.token_ids and not self.streams.resumable:
                     raise APIError(500, f"replica failed mid-stream after partial output: {type(exc).__name__}",
                                    code="replica_failed") from exc
-            except ray.exceptions.RayError as exc:  # the replica raised (e.g. a KV hand-off timed out)
-                logger.warning("replica %s errored on %s: %r", replica.replica_id, job.request_id, exc)
-                raise APIError(500, f"replica failed: {type(exc).__name__}", code="replica_failed") from exc
             finally:
                 if not finished:
                     response.cancel()

@@ -1,6 +1,7 @@
-"""Multi-node placement: a 2-node Ray cluster on this machine, each node declaring one logical GPU.
+"""Multi-node placement: a 2-node Ray cluster on this machine, each node declaring two logical GPUs.
 
-Replicas asking for `num_gpus: 1` land one per node; with no CUDA device they run on CPU and say so.
+Two tensor-parallel replicas of 2 ranks, each rank asking for `num_gpus: 1` in a STRICT_PACK placement group,
+land one per node with both ranks beside each other; with no CUDA device they run on CPU (gloo) and say so.
 Runs in a fresh interpreter because it needs its own Ray cluster (the session one is single-node).
 """
 
@@ -22,14 +23,14 @@ SCRIPT = textwrap.dedent(
     from kvloom.cluster.app import ROUTER_NAME, build_app
     from kvloom.cluster.config import ClusterConfig
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 1})
-    cluster.add_node(num_cpus=2, num_gpus=1)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "num_gpus": 2})
+    cluster.add_node(num_cpus=2, num_gpus=2)
     ray.init(address=cluster.address, log_to_driver=False)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ClusterConfig.model_validate({
-        "engine": {"kv_cache_memory_bytes": 67108864, "max_model_len": 512},
+        "engine": {"kv_cache_memory_bytes": 67108864, "max_model_len": 512, "tensor_parallel_size": 2},
         "num_replicas": 2, "resources": {"num_cpus": 0.5, "num_gpus": 1, "torch_threads": 1}})
     serve.run(build_app(config), name="kvloom", route_prefix="/")
     router = serve.get_deployment_handle(ROUTER_NAME, "kvloom")
@@ -44,7 +45,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_gpu_replicas_spread_one_per_node_and_fall_back_to_cpu():
+def test_tensor_parallel_gpu_replicas_pack_one_per_node_and_fall_back_to_cpu():
     done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
@@ -52,3 +53,7 @@ def test_gpu_replicas_spread_one_per_node_and_fall_back_to_cpu():
     assert len(replicas) == 2
     assert {r["node_id"] for r in replicas} == set(result["nodes"])  # one replica on each node
     assert all(r["device"] == "cpu" for r in replicas)  # logical GPUs only: the engine ran on CPU
+    for r in replicas:  # STRICT_PACK: both ranks on the replica's own node, each with a GPU of its own
+        assert [rank["rank"] for rank in r["ranks"]] == [0, 1]
+        assert all(rank["placement"].startswith(f"node {r['node_id'][:12]}") for rank in r["ranks"]), r["ranks"]
+        assert len({rank["placement"] for rank in r["ranks"]}) == 2

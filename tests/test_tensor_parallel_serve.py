@@ -1,0 +1,133 @@
+"""`kvloom serve` with a tensor-parallel replica (2 ranks on gloo, in one placement group on the local Ray
+cluster): it streams what the offline engine generates, `kvloom status` shows the replica's ranks and where they
+run, and killing a rank's process mid-stream kills the replica's engine: Serve replaces the replica and the router
+continues the stream on the replacement. Real processes, real HTTP."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+import psutil
+import pytest
+
+from kvloom.benchmarks.process_tree import stop_tree, wait_for
+from kvloom.cluster.ports import free_port
+from kvloom.engine.llm import LLM
+from kvloom.engine.sampling import SamplingParams
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+CONFIG = """
+name: kvloom
+engine:
+  model: smollm2
+  dtype: float32
+  kv_cache_memory_bytes: 67108864
+  max_model_len: 1024
+  max_num_seqs: 8
+  tensor_parallel_size: 2
+  distributed_timeout_s: 10
+resources:
+  num_cpus: 0.5
+http:
+  port: {port}
+"""
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    port = free_port()
+    config = tmp_path_factory.mktemp("serve-tp") / "serve.yaml"
+    config.write_text(CONFIG.format(port=port))
+    log = config.with_suffix(".log")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config)],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+
+    def ready() -> bool:
+        try:
+            return bool(client.models.list().data)
+        except openai.OpenAIError:
+            return False
+
+    try:
+        assert wait_for(lambda: process.poll() is not None or ("kvloom is serving" in log.read_text() and ready()),
+                        300, period_s=0.5) and process.poll() is None, log.read_text()[-3000:]
+        yield client, log
+    finally:
+        stop_tree(process)
+
+
+def status() -> str:
+    done = subprocess.run([sys.executable, "-m", "kvloom.cluster.cli", "status", "--address", "auto"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def rank_workers() -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["cmdline"]) if "ray::TensorParallelWorker" in " ".join(p.info["cmdline"] or [])]
+
+
+@pytest.fixture(scope="module")
+def offline_text():
+    """What one rank generates for PROMPT, greedy, with `ignore_eos`: max_tokens -> text."""
+    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    return lambda max_tokens: llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                    ignore_eos=True))[0].outputs[0].text
+
+
+def test_a_streamed_completion_equals_the_offline_engine(served, offline_text):
+    client, log = served
+    stream = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == offline_text(24)
+    assert "on each of 2 tensor-parallel ranks" in log.read_text()
+
+
+def test_status_shows_one_replica_with_its_ranks_and_their_placement(served):
+    shown = status()
+    assert "1 replica(s)" in shown
+    lines = shown.splitlines()
+    assert lines[2].split()[3] == "2"  # the tp column
+    ranks = [line.strip() for line in lines if line.strip().startswith("rank ")]
+    assert [r.split(":")[0] for r in ranks] == ["rank 0", "rank 1"]
+    assert "KV heads 0-1 (2 of 3)" in ranks[0] and "KV heads 2-2 (1 of 3)" in ranks[1]  # the uneven split
+    assert all(" node " in f" {r}" for r in ranks)
+
+
+def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_back(served, offline_text):
+    client, _ = served
+    workers = rank_workers()
+    assert len(workers) == 1
+    got: dict = {"chunks": []}
+
+    def long_stream():
+        try:
+            for chunk in client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=120, stream=True,
+                                                   temperature=0, extra_body={"ignore_eos": True}):
+                if chunk.choices:
+                    got["chunks"].append(chunk.choices[0])
+            got["finish"] = got["chunks"][-1].finish_reason
+        except openai.OpenAIError as exc:
+            got["error"] = str(exc)
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert wait_for(lambda: len(got["chunks"]) >= 3, 60)  # mid-stream
+    os.kill(workers[0].pid, signal.SIGKILL)
+    thread.join(timeout=240)
+    assert not thread.is_alive()
+    # the engine died with its rank; the router took that as its replica gone and, once Serve had replaced the
+    # replica, continued the stream there from the tokens the client had: nothing lost, nothing repeated
+    assert "error" not in got and got["finish"] == "length", got.get("error")
+    assert "".join(c.text for c in got["chunks"]) == offline_text(120)
+    assert wait_for(lambda: [w.pid for w in rank_workers()] not in ([], [workers[0].pid]), 240, period_s=1)
+    again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert again.usage.completion_tokens == 8
+    assert "1 replica(s)" in status()
