@@ -9,6 +9,8 @@ a hang.
 """
 
 import datetime
+import time
+from collections import defaultdict
 
 import torch
 import torch.distributed as dist
@@ -51,6 +53,10 @@ class TensorParallelGroup:
         self.store = store  # rank 0 hosts the rendezvous: it must live as long as the group
         self.timeout_s = timeout_s
         self.step = 0  # set by the runner: errors name the step they broke
+        # seconds waited and bytes sent in each kind of collective (the per-step cost split's source)
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.bytes: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
         self._vocab_sizes = [s.vocab[1] - s.vocab[0] for s in shards]
         prefixed = dist.PrefixStore(f"kvloom-tp/{name}", store)
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -64,18 +70,22 @@ class TensorParallelGroup:
         except RuntimeError as exc:
             raise TensorParallelError(f"tensor-parallel rank {rank} could not join its group: {exc}") from exc
 
-    def _wait(self, operation: str, work) -> None:
+    def _wait(self, operation: str, work, tensor: torch.Tensor) -> None:
+        started = time.perf_counter()
         try:
             work.wait()
         except RuntimeError as exc:  # gloo's and NCCL's errors (DistBackendError is one)
             raise TensorParallelError(f"tensor-parallel rank {self.rank}, step {self.step}: {operation} failed: "
                                       f"{exc}") from exc
+        self.seconds[operation] += time.perf_counter() - started
+        self.bytes[operation] += tensor.numel() * tensor.element_size()
+        self.calls[operation] += 1
 
     def all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in float32 (it joins the float32 residual stream; bfloat16 partials summed in
         bfloat16 would round before they got there)."""
         total = partial.float().contiguous()
-        self._wait("all-reduce", self._group.allreduce([total]))
+        self._wait("all-reduce", self._group.allreduce([total]), total)
         return total
 
     def embed(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -93,7 +103,7 @@ class TensorParallelGroup:
         options = dist.GatherOptions()
         options.rootRank = 0
         outputs = [[torch.empty_like(padded) for _ in range(self.world_size)]] if self.rank == 0 else []
-        self._wait("logits gather", self._group.gather(outputs, [padded], options))
+        self._wait("logits gather", self._group.gather(outputs, [padded], options), padded)
         if self.rank != 0:
             return None
         return torch.cat([part[:, :size] for part, size in zip(outputs[0], self._vocab_sizes)], dim=1).to(logits.dtype)
@@ -102,7 +112,7 @@ class TensorParallelGroup:
         """Rank 0's tensor into everyone's (in place)."""
         options = dist.BroadcastOptions()
         options.rootRank = 0
-        self._wait(operation, self._group.broadcast([tensor], options))
+        self._wait(operation, self._group.broadcast([tensor], options), tensor)
         return tensor
 
     def gather_ints(self, values: list[int]) -> list[list[int]] | None:
@@ -111,5 +121,5 @@ class TensorParallelGroup:
         options.rootRank = 0
         mine = torch.tensor(values, dtype=torch.int64, device=self.device)
         outputs = [[torch.empty_like(mine) for _ in range(self.world_size)]] if self.rank == 0 else []
-        self._wait("start-up report", self._group.gather(outputs, [mine], options))
+        self._wait("start-up report", self._group.gather(outputs, [mine], options), mine)
         return [t.tolist() for t in outputs[0]] if self.rank == 0 else None

@@ -190,3 +190,17 @@ def test_a_dead_worker_fails_the_next_step_naming_its_rank(smollm2_dir, prompts)
         engine.step()
     assert time.monotonic() - started < 10  # the group's timeout bounds it: no hang
     engine.shutdown()
+
+
+def test_the_nvlink_prediction_shows_its_arithmetic():
+    from kvloom.benchmarks.tensor_parallel import NCCL_LATENCY_S, NVLINK_BYTES_PER_S, predict_nvlink
+
+    row = {"collectives": {"all-reduce": {"ms": 80.0, "calls": 61, "bytes": 61 * 147_456},
+                           "logits gather": {"ms": 8.0, "calls": 1, "bytes": 6_291_456},
+                           "step plan": {"ms": 1.0, "calls": 2, "bytes": 8_000}}}
+    predicted = predict_nvlink(row, ranks=2)
+    # ring all-reduce on 2 GPUs: each sends 2(N-1)/N = 1 buffer per call
+    assert predicted["all-reduce"]["ms"] == pytest.approx(61 * (NCCL_LATENCY_S + 147_456 / NVLINK_BYTES_PER_S) * 1e3)
+    assert predicted["all-reduce"]["arithmetic"] == "61 x (10 us + 1 x 147.5 KB / 450 GB/s)"
+    four = predict_nvlink(row, ranks=4)["all-reduce"]["ms"]
+    assert four == pytest.approx(61 * (NCCL_LATENCY_S + 1.5 * 147_456 / NVLINK_BYTES_PER_S) * 1e3)
