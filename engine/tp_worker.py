@@ -67,6 +67,8 @@ def held_bytes(runner: ModelRunner) -> list[int]:
 def run_worker(spec: WorkerSpec) -> None:
     """A worker's whole life: join, load, report, then serve plans until STOP (or its group fails)."""
     torch.set_num_threads(spec.num_threads)
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(spec.device))  # NCCL maps each rank to its current device
     store = open_store(spec.store_host, spec.store_port, is_master=False, timeout_s=spec.timeout_s)
     shards = plan_shards(ModelConfig.from_dir(resolve_model_dir(spec.engine_config.model)), spec.world_size)
     group = TensorParallelGroup(store, spec.group_name, shards, spec.rank, torch.device(spec.device), spec.timeout_s)

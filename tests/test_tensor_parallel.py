@@ -177,6 +177,19 @@ def test_each_rank_holds_its_share_of_the_weights_and_only_its_kv_heads(single_r
     assert engine.runner.kv_caches[0][0].shape[2] == reports[0].shard.num_kv_heads
 
 
+def test_an_abort_mid_step_frees_every_rank_s_blocks(sharded, prompts):
+    ranks, engine, *_ = sharded
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"abort-{i}", prompts[i], params)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("abort-1").outputs[0].finish_reason == "abort"
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().num_free_blocks == engine.num_blocks  # one pool on rank 0 stands for every rank's
+
+
 def test_a_dead_worker_fails_the_next_step_naming_its_rank(smollm2_dir, prompts):
     engine = make_engine(smollm2_dir, 2, distributed_timeout_s=5)
     worker = engine.runner.workers.processes[0]
