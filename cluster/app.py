@@ -57,13 +57,12 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     # JSON: Serve's console lines too (see cluster/logs.py); text needs nothing in the processes' environment
     log_format = {LOG_FORMAT_ENV: "json"} if log_encoding == "JSON" else {}
 
-    ranks = config.engine.tensor_parallel_size
     rank_resources = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
-    # a tensor-parallel replica: one bundle per rank, in a placement group Serve makes (and remakes) per replica
-    placement = {"placement_group_bundles": [{"CPU": resources.num_cpus, "GPU": resources.num_gpus}] * ranks,
-                 "placement_group_strategy": resources.placement_strategy} if ranks > 1 else {}
 
-    def replica_deployment(cls, name: str, replica_scaling: dict):
+    def replica_deployment(cls, name: str, replica_scaling: dict, ranks: int):
+        # a tensor-parallel replica: one bundle per rank, in a placement group Serve makes (and remakes) per replica
+        placement = {"placement_group_bundles": [{"CPU": resources.num_cpus, "GPU": resources.num_gpus}] * ranks,
+                     "placement_group_strategy": resources.placement_strategy} if ranks > 1 else {}
         return serve.deployment(cls).options(
             name=name,
             ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus,
@@ -97,10 +96,15 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     disagg = config.disaggregation
     if disagg.enabled:
         settings["disagg_transport"] = disagg.transport
-        prefill = replica_deployment(PrefillReplica, PREFILL_NAME, {"num_replicas": disagg.prefill_replicas})
-        decode = replica_deployment(DecodeReplica, DECODE_NAME, {"num_replicas": disagg.decode_replicas})
-        return router.bind(prefill.bind(engine, **replica_args), settings, decode.bind(engine, **replica_args))
-    replicas = replica_deployment(EngineReplica, REPLICA_NAME, scaling)
+        ranks = config.engine.tensor_parallel_size
+        prefill_ranks = disagg.prefill_tensor_parallel_size or ranks
+        decode_ranks = disagg.decode_tensor_parallel_size or ranks
+        prefill = replica_deployment(PrefillReplica, PREFILL_NAME, {"num_replicas": disagg.prefill_replicas},
+                                     prefill_ranks)
+        decode = replica_deployment(DecodeReplica, DECODE_NAME, {"num_replicas": disagg.decode_replicas}, decode_ranks)
+        return router.bind(prefill.bind({**engine, "tensor_parallel_size": prefill_ranks}, **replica_args), settings,
+                           decode.bind({**engine, "tensor_parallel_size": decode_ranks}, **replica_args))
+    replicas = replica_deployment(EngineReplica, REPLICA_NAME, scaling, config.engine.tensor_parallel_size)
     return router.bind(replicas.bind(engine, **replica_args), settings)
 
 

@@ -51,6 +51,10 @@ class DisaggregationConfig(Strict):
     prefill_replicas: int = Field(1, ge=1)
     decode_replicas: int = Field(1, ge=1)
     transport: Literal["torch_distributed", "object_store"] = "torch_distributed"
+    # each side may split its replicas differently (the hand-off carries every KV head, gathered from the
+    # prefill replica's ranks and split among the decode replica's); default: engine.tensor_parallel_size
+    prefill_tensor_parallel_size: int | None = Field(None, ge=1)
+    decode_tensor_parallel_size: int | None = Field(None, ge=1)
 
 
 class HTTPConfig(Strict):
@@ -79,13 +83,7 @@ class ClusterConfig(Strict):
         check_unique(self.tenants, self.admin_keys)
         return self
 
-    @model_validator(mode="after")
-    def _tensor_parallel_handoff(self) -> "ClusterConfig":
-        if self.disaggregation.enabled and self.engine.tensor_parallel_size > 1:
-            raise ValueError("disaggregation: the KV hand-off moves one rank's cache; with engine."
-                             f"tensor_parallel_size {self.engine.tensor_parallel_size} it would leave the other "
-                             "ranks' heads behind (not supported yet)")
-        return self
+
 
     @property
     def model_name(self) -> str:

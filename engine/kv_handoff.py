@@ -39,7 +39,7 @@ class KVHeader:
         return KVHeader(
             model_id=int.from_bytes(digest, "little") >> 1, dtype=DTYPE_CODES[key_cache.dtype],
             block_size=engine.block_size, num_layers=len(engine.runner.kv_caches),
-            num_kv_heads=key_cache.shape[2], head_dim=key_cache.shape[3], num_tokens=num_tokens,
+            num_kv_heads=engine.model_config.num_key_value_heads, head_dim=key_cache.shape[3], num_tokens=num_tokens,
         )
 
     def to_tensor(self) -> torch.Tensor:
@@ -65,10 +65,7 @@ def export_kv(engine: LLMEngine, request_id: str) -> tuple[KVHeader, torch.Tenso
     if request is None:
         raise KVTransferError(f"no parked KV for request {request_id}")
     header = KVHeader.for_engine(engine, request.num_computed_tokens)
-    index = torch.tensor(request.block_ids[: header.payload_shape()[2]], device=engine.device)
-    payload = torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
-                           for k, v in engine.runner.kv_caches])
-    return header, payload
+    return header, engine.runner.export_blocks(request.block_ids[: header.payload_shape()[2]])
 
 
 def reserve_kv(engine: LLMEngine, request: Request) -> bool:
@@ -84,10 +81,7 @@ def reserve_kv(engine: LLMEngine, request: Request) -> bool:
 def activate_kv(engine: LLMEngine, request: Request, first_token: int, payload: torch.Tensor) -> None:
     """Write the received KV into the reserved blocks and continue decoding from the first token."""
     engine.reserved.pop(request.request_id)
-    index = torch.tensor(request.block_ids, device=engine.device)
-    for (key_cache, value_cache), layer in zip(engine.runner.kv_caches, payload.to(engine.device)):
-        key_cache.index_copy_(0, index, layer[0])
-        value_cache.index_copy_(0, index, layer[1])
+    engine.runner.import_blocks(request.block_ids, payload)
     request.num_computed_tokens = len(request.prompt_token_ids)
     request.token_ids.append(first_token)
     if request.grammar is not None:  # the prefill replica's grammar chose it; this one's starts behind

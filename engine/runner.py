@@ -66,6 +66,21 @@ class ModelRunner:
             value_cache.index_copy_(0, target, value_cache.index_select(0, source))
 
     @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """These blocks' K and V in every layer, every KV head: [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        index = torch.tensor(block_ids, device=self.device)
+        return torch.stack([torch.stack([k.index_select(0, index), v.index_select(0, index)])
+                            for k, v in self.kv_caches])
+
+    @torch.inference_mode()
+    def import_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Write `export_blocks`' form into these blocks."""
+        index = torch.tensor(block_ids, device=self.device)
+        for (key_cache, value_cache), layer in zip(self.kv_caches, payload.to(self.device)):
+            key_cache.index_copy_(0, index, layer[0])
+            value_cache.index_copy_(0, index, layer[1])
+
+    @torch.inference_mode()
     def execute(
         self, scheduled: list[tuple[Request, int]], generators: dict[str, torch.Generator]
     ) -> dict[str, list[SampledToken]]:

@@ -17,7 +17,7 @@ HEADER_LEN = 6
 
 class Op:
     """What a plan asks the workers to do."""
-    STOP, STEP, COPY_BLOCKS, KEEPALIVE = 0, 1, 2, 3
+    STOP, STEP, COPY_BLOCKS, KEEPALIVE, EXPORT_KV, IMPORT_KV = 0, 1, 2, 3, 4, 5
 
 
 @dataclass
@@ -52,6 +52,7 @@ class StepInputs:
         return StepInputs(ids, positions, meta, rows)
 
 
-def control_header(op: int, count: int = 0) -> torch.Tensor:
-    """A header with no step: stop, keep-alive, or block copies (`count` pairs in the body)."""
-    return torch.tensor([op, 0, 0, 0, 0, 2 * count], dtype=torch.int64)
+def control_header(op: int, body_len: int = 0) -> torch.Tensor:
+    """A header with no step: stop, keep-alive, block copies (sources then targets in the body), a KV export or
+    import (block ids in the body)."""
+    return torch.tensor([op, 0, 0, 0, 0, body_len], dtype=torch.int64)

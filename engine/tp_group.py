@@ -58,6 +58,8 @@ class TensorParallelGroup:
         self.bytes: dict[str, int] = defaultdict(int)
         self.calls: dict[str, int] = defaultdict(int)
         self._vocab_sizes = [s.vocab[1] - s.vocab[0] for s in shards]
+        self._kv_ranges = [s.kv_heads for s in shards]
+        self.num_kv_heads = max(end for _, end in self._kv_ranges)
         prefixed = dist.PrefixStore(f"kvloom-tp/{name}", store)
         timeout = datetime.timedelta(seconds=timeout_s)
         try:
@@ -99,14 +101,27 @@ class TensorParallelGroup:
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor | None:
         """Every rank's vocabulary slice, joined on rank 0 (others get None); slices are padded to the widest."""
         width = max(self._vocab_sizes)
-        padded = F.pad(logits.float(), (0, width - logits.shape[1])).contiguous()
-        options = dist.GatherOptions()
-        options.rootRank = 0
-        outputs = [[torch.empty_like(padded) for _ in range(self.world_size)]] if self.rank == 0 else []
-        self._wait("logits gather", self._group.gather(outputs, [padded], options), padded)
-        if self.rank != 0:
+        parts = self._gather(F.pad(logits.float(), (0, width - logits.shape[1])).contiguous(), "logits gather")
+        if parts is None:
             return None
-        return torch.cat([part[:, :size] for part, size in zip(outputs[0], self._vocab_sizes)], dim=1).to(logits.dtype)
+        return torch.cat([part[:, :size] for part, size in zip(parts, self._vocab_sizes)], dim=1).to(logits.dtype)
+
+    def gather_heads(self, local: torch.Tensor) -> torch.Tensor | None:
+        """[..., this rank's KV heads, head_dim] from every rank, as [..., every KV head, head_dim] on rank 0 (a
+        head replicated on several ranks is taken once); None elsewhere."""
+        width = max(end - start for start, end in self._kv_ranges)
+        parts = self._gather(F.pad(local, (0, 0, 0, width - local.shape[-2])).contiguous(), "KV export")
+        if parts is None:
+            return None
+        full = local.new_empty((*local.shape[:-2], self.num_kv_heads, local.shape[-1]))
+        for part, (start, end) in zip(parts, self._kv_ranges):
+            full[..., start:end, :] = part[..., : end - start, :]
+        return full
+
+    def own_heads(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's KV heads of [..., every KV head, head_dim]."""
+        start, end = self.shard.kv_heads
+        return full[..., start:end, :]
 
     def broadcast(self, tensor: torch.Tensor, operation: str) -> torch.Tensor:
         """Rank 0's tensor into everyone's (in place)."""
@@ -117,9 +132,13 @@ class TensorParallelGroup:
 
     def gather_ints(self, values: list[int]) -> list[list[int]] | None:
         """A few integers from every rank, on rank 0 (start-up reports: bytes held); None elsewhere."""
+        parts = self._gather(torch.tensor(values, dtype=torch.int64, device=self.device), "start-up report")
+        return None if parts is None else [part.tolist() for part in parts]
+
+    def _gather(self, tensor: torch.Tensor, operation: str) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` (same shape everywhere), on rank 0; None elsewhere."""
         options = dist.GatherOptions()
         options.rootRank = 0
-        mine = torch.tensor(values, dtype=torch.int64, device=self.device)
-        outputs = [[torch.empty_like(mine) for _ in range(self.world_size)]] if self.rank == 0 else []
-        self._wait("start-up report", self._group.gather(outputs, [mine], options), mine)
-        return [t.tolist() for t in outputs[0]] if self.rank == 0 else None
+        outputs = [[torch.empty_like(tensor) for _ in range(self.world_size)]] if self.rank == 0 else []
+        self._wait(operation, self._group.gather(outputs, [tensor], options), tensor)
+        return outputs[0] if self.rank == 0 else None

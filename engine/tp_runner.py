@@ -94,8 +94,23 @@ class TensorParallelRunner(ModelRunner):
         if copies:
             body = torch.tensor([s for s, _ in copies] + [t for _, t in copies], dtype=torch.int64)
             with self._lock:
-                self._send(control_header(Op.COPY_BLOCKS, len(copies)), body)
-        super().copy_blocks(copies)
+                self._send(control_header(Op.COPY_BLOCKS, len(body)), body)
+                super().copy_blocks(copies)
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Every rank's KV heads of these blocks, joined here (a KV hand-off leaves with all of them)."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        with self._lock:
+            self._send(control_header(Op.EXPORT_KV, len(ids)), ids)
+            return self.group.gather_heads(super().export_blocks(block_ids))
+
+    def import_blocks(self, block_ids: list[int], payload: torch.Tensor) -> None:
+        """Every KV head of these blocks arrives here; each rank keeps its own."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        with self._lock:
+            self._send(control_header(Op.IMPORT_KV, len(ids)), ids)
+            payload = self.group.broadcast(payload.to(self.group.device).contiguous(), "KV import")
+            super().import_blocks(block_ids, self.group.own_heads(payload))
 
     def check_health(self) -> None:
         dead = self.workers.dead()

@@ -95,6 +95,13 @@ def serve_plans(group: TensorParallelGroup, runner: ModelRunner) -> None:
         if op == Op.COPY_BLOCKS:
             pairs = body.view(2, -1).tolist()
             runner.copy_blocks(list(zip(*pairs)))
+        elif op == Op.EXPORT_KV:
+            group.gather_heads(runner.export_blocks(body.tolist()))
+        elif op == Op.IMPORT_KV:
+            local = runner.kv_caches[0][0]
+            shape = (len(runner.kv_caches), 2, len(body), local.shape[1], group.num_kv_heads, local.shape[3])
+            payload = group.broadcast(torch.empty(shape, dtype=local.dtype, device=group.device), "KV import")
+            runner.import_blocks(body.tolist(), group.own_heads(payload))
         elif op == Op.STEP:
             group.step += 1
             runner.forward(StepInputs.decode(fields, body, group.device))

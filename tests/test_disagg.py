@@ -137,3 +137,18 @@ def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disa
     assert response.status_code == 200 or "replica failed" in response.json()["error"]["message"]
     wait_for_replacement(router, "prefill", prefill_id)
     wait_until_idle(router, 10)
+
+
+def test_a_two_rank_prefill_hands_every_kv_head_to_a_one_rank_decode(ray_serve, deploy_app, offline):
+    """The prefill replica's KV heads live on two ranks (2 and 1 of SmolLM2's 3); the hand-off gathers them."""
+    config = ClusterConfig.model_validate({
+        "engine": ENGINE, "resources": {"torch_threads": 1},
+        "disaggregation": {"enabled": True, "transport": "torch_distributed", "prefill_tensor_parallel_size": 2}})
+    router = deploy_app(config)
+    client = openai.OpenAI(base_url=f"{ray_serve}/v1", api_key="unused", timeout=120, max_retries=0)
+    for prompt in PROMPTS[1:]:
+        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == expected(offline, prompt, 12).text
+    stats = wait_until_idle(router, 10)
+    assert (stats["prefill"]["tensor_parallel_size"], stats["decode"]["tensor_parallel_size"]) == (2, 1)
+    assert stats["decode"]["dispatched"] > 0

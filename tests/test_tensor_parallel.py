@@ -217,3 +217,45 @@ def test_the_nvlink_prediction_shows_its_arithmetic():
     assert predicted["all-reduce"]["arithmetic"] == "61 x (10 us + 1 x 147.5 KB / 450 GB/s)"
     four = predict_nvlink(row, ranks=4)["all-reduce"]["ms"]
     assert four == pytest.approx(61 * (NCCL_LATENCY_S + 1.5 * 147_456 / NVLINK_BYTES_PER_S) * 1e3)
+
+
+# ---- KV hand-off between replicas of different sizes (disaggregated prefill -> decode) -------------------------
+@pytest.fixture(scope="module")
+def tiny_engines(tiny_model_dir):
+    """The tiny model (2 KV heads) on 1 rank, 2 ranks (a KV head each) and 4 (each KV head on two ranks)."""
+    make = lambda ranks: LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4,  # noqa: E731
+                                   kv_cache_memory_bytes=4 << 20, tensor_parallel_size=ranks, distributed_timeout_s=20)
+    engines = {ranks: make(ranks) for ranks in (1, 2, 4)}
+    yield engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("prefill_ranks, decode_ranks", [(2, 1), (1, 2), (4, 2)])
+def test_kv_handed_between_different_sizes_decodes_what_one_engine_does(tiny_engines, prefill_ranks, decode_ranks):
+    from kvloom.engine.kv_handoff import KVHeader, export_kv, import_kv
+
+    prompt = [(7 * i) % 500 + 3 for i in range(11)]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    colocated = tiny_engines[1]
+    colocated.add_request("whole", prompt, params)
+    while colocated.has_unfinished():
+        done = [o for o in colocated.step() if o.finished]
+    expected = done[0].outputs[0].token_ids
+
+    prefill, decode = tiny_engines[prefill_ranks], tiny_engines[decode_ranks]
+    request = prefill.make_request("p", prompt, params.model_copy(update={"max_tokens": 1}))
+    request.park_kv = True
+    prefill.add_prepared(request)
+    while prefill.has_unfinished():
+        first = prefill.step()
+    header, payload = export_kv(prefill, "p")
+    assert payload.shape[4] == 2  # every KV head leaves, whichever ranks held it
+    header.check_matches(KVHeader.for_engine(decode, len(prompt)))
+    assert import_kv(decode, decode.make_request("d", prompt, params), first[0].outputs[0].token_ids[0], payload)
+    prefill.release_parked("p")
+    outputs = []
+    while decode.has_unfinished():
+        outputs.extend(o for o in decode.step() if o.finished)
+    assert outputs[0].outputs[0].token_ids == expected
+    assert all(e.stats().num_free_blocks == e.num_blocks for e in tiny_engines.values())
