@@ -176,3 +176,23 @@ def deploy(config, app_name: str = "kvloom", timeout_s: float = 180):
 @pytest.fixture(scope="session")
 def deploy_app():
     return deploy
+
+
+def start_serve(directory: Path, config_text: str, *args: str):
+    """`kvloom serve` on `config_text` (written into `directory`), in its own session and its own Ray cluster (not
+    the tests' one); returns the process and the file its console goes to."""
+    import subprocess
+    import sys
+
+    config = directory / "serve.yaml"
+    config.write_text(config_text)
+    log = config.with_suffix(".log")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config), *args],
+                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return process, log
+
+
+@pytest.fixture(scope="session")
+def serve_process():
+    return start_serve

@@ -4,10 +4,8 @@ ready, and SIGTERM drains: new requests get 503 while the ones in flight finish,
 exits. With `--log-format json` every console line is a JSON object. Real processes, real HTTP."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import threading
 
 import httpx
@@ -55,15 +53,9 @@ def listener(port: int) -> psutil.Process:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, serve_process):
     port = free_port()
-    config = tmp_path_factory.mktemp("serve") / "serve.yaml"
-    config.write_text(CONFIG.format(port=port))
-    log = config.with_suffix(".log")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # its own cluster, not the tests' one
-    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config),
-                                "--log-format", "json"],
-                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process, log = serve_process(tmp_path_factory.mktemp("serve"), CONFIG.format(port=port), "--log-format", "json")
     server = Server(process, port, log)
     try:
         assert wait_for(lambda: server.healthy() or process.poll() is not None, 240, period_s=0.2) \

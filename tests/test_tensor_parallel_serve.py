@@ -39,14 +39,9 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, serve_process):
     port = free_port()
-    config = tmp_path_factory.mktemp("serve-tp") / "serve.yaml"
-    config.write_text(CONFIG.format(port=port))
-    log = config.with_suffix(".log")
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    process = subprocess.Popen([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(config)],
-                               stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process, log = serve_process(tmp_path_factory.mktemp("serve-tp"), CONFIG.format(port=port))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
     def ready() -> bool:
