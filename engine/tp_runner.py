@@ -25,7 +25,7 @@ from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import Op, StepInputs, control_header
 from kvloom.engine.tp_group import TensorParallelError, TensorParallelGroup, open_store
 from kvloom.engine.tp_shards import RankShard, plan_shards
-from kvloom.engine.tp_worker import WorkerSpec, build_rank_runner, held_bytes, run_worker
+from kvloom.engine.tp_worker import WorkerSpec, held_bytes, rank_runner_args, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +73,12 @@ class RankReport:
 
 
 class TensorParallelRunner(ModelRunner):
-    def __init__(self, *args, group: TensorParallelGroup, workers: Workers) -> None:
+    def __init__(self, *args, group: TensorParallelGroup, workers: Workers, num_threads: int) -> None:
         super().__init__(*args)
         self.group = group
         self.workers = workers
+        self.num_threads = num_threads  # each rank's
         self.reports: list[RankReport] = []
-        self.num_threads = torch.get_num_threads()  # each rank's (set at start)
         self._lock = threading.Lock()  # one plan on the wire at a time (the step loop and the keep-alive)
         self._last_plan = time.monotonic()
         self._stopped = threading.Event()
@@ -111,6 +111,11 @@ class TensorParallelRunner(ModelRunner):
             self._send(control_header(Op.IMPORT_KV, len(ids)), ids)
             payload = self.group.broadcast(payload.to(self.group.device).contiguous(), "KV import")
             super().import_blocks(block_ids, self.group.own_heads(payload))
+
+    def begin(self, reports: list[RankReport]) -> None:
+        """Every rank has loaded (as `reports` say): plans may flow, and keep-alives while none do."""
+        self.reports = reports
+        self._keepalive.start()
 
     def check_health(self) -> None:
         dead = self.workers.dead()
@@ -178,7 +183,8 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     shards = plan_shards(model_config, world)
     try:
         group = TensorParallelGroup(store, name, shards, 0, device, config.distributed_timeout_s)
-        runner = build_rank_runner(spec(0), group, TensorParallelRunner, workers=workers)
+        runner = TensorParallelRunner(*rank_runner_args(spec(0), group), group=group, workers=workers,
+                                      num_threads=num_threads)
     except BaseException:
         workers.stop()
         raise
@@ -187,9 +193,6 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     if failed:
         runner.shutdown()
         raise ModelLoadError(f"tensor-parallel rank(s) {failed} could not load their shards (see their logs)")
-    placements = workers.placements()
-    runner.reports = [RankReport(shard, where, weights, kv) for shard, where, (weights, kv)
-                      in zip(shards, placements, held)]
-    runner.num_threads = num_threads
-    runner._keepalive.start()
+    runner.begin([RankReport(shard, where, weights, kv) for shard, where, (weights, kv)
+                  in zip(shards, workers.placements(), held)])
     return runner

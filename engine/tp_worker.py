@@ -45,17 +45,16 @@ class WorkerSpec:
         return self.engine_config.distributed_timeout_s
 
 
-def build_rank_runner(spec: WorkerSpec, group: TensorParallelGroup, runner_class=ModelRunner, **extra) -> ModelRunner:
-    """This rank's decoder over its shard, and a runner with its share of the KV pool (any rank, rank 0 too)."""
+def rank_runner_args(spec: WorkerSpec, group: TensorParallelGroup) -> tuple:
+    """A runner's arguments for this rank (rank 0 too): its decoder over its shard, its share of the KV pool."""
     config = spec.engine_config
     model_dir = resolve_model_dir(config.model)
     model_config = ModelConfig.from_dir(model_dir)
     device = torch.device(spec.device)
     decoder = load_shard_decoder(model_dir, model_config, group.shard, group, spec.dtype, device)
     backend = select_backend(config.attention_backend, device)
-    args = (decoder, group.shard.local_config(model_config), backend, spec.num_blocks, config.block_size,
+    return (decoder, group.shard.local_config(model_config), backend, spec.num_blocks, config.block_size,
             spec.kv_dtype, device)
-    return runner_class(*args, group=group, **extra) if extra else runner_class(*args)
 
 
 def held_bytes(runner: ModelRunner) -> list[int]:
@@ -73,7 +72,7 @@ def run_worker(spec: WorkerSpec) -> None:
     shards = plan_shards(ModelConfig.from_dir(resolve_model_dir(spec.engine_config.model)), spec.world_size)
     group = TensorParallelGroup(store, spec.group_name, shards, spec.rank, torch.device(spec.device), spec.timeout_s)
     try:
-        runner = build_rank_runner(spec, group)
+        runner = ModelRunner(*rank_runner_args(spec, group))
     except Exception:
         logger.exception("tensor-parallel rank %d could not load its shard", spec.rank)
         group.gather_ints([-1, -1])  # rank 0 raises, naming this rank
