@@ -116,6 +116,8 @@ def serve_main(args: argparse.Namespace) -> int:
         while len(replicas := router.replica_stats.remote().result()) < expected_replicas(config):
             time.sleep(0.5)
         _startup_summary(config, replicas)
+        address = ray.get_runtime_context().gcs_address
+        say(f"  replicas and their ranks: kvloom status --address {address}", ray_address=address)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

@@ -123,7 +123,9 @@ class TensorParallelRunner(ModelRunner):
             raise TensorParallelError(f"{dead}; this replica cannot step any more")
 
     def shutdown(self) -> None:
-        """Tell the workers to stop (when they can still hear it) and wait for them."""
+        """Tell the workers to stop (when they can still hear it) and wait for them; once."""
+        if self._stopped.is_set():
+            return
         self._stopped.set()
         with self._lock:
             try:

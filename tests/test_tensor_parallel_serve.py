@@ -4,6 +4,7 @@ run, and killing a rank's process mid-stream kills the replica's engine: Serve r
 continues the stream on the replacement. Real processes, real HTTP."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -53,20 +54,31 @@ def served(tmp_path_factory, serve_process):
     try:
         assert wait_for(lambda: process.poll() is not None or ("kvloom is serving" in log.read_text() and ready()),
                         300, period_s=0.5) and process.poll() is None, log.read_text()[-3000:]
-        yield client, log
+        yield client, log, process
     finally:
         stop_tree(process)
 
 
-def status() -> str:
-    done = subprocess.run([sys.executable, "-m", "kvloom.cluster.cli", "status", "--address", "auto"],
+def status(log) -> str:
+    """`kvloom status` against the cluster this `kvloom serve` started (its log names it; other tests' clusters
+    may still be up, so "auto" could find one of them)."""
+    address = re.search(r"kvloom status --address (\S+)", log.read_text()).group(1)
+    done = subprocess.run([sys.executable, "-m", "kvloom.cluster.cli", "status", "--address", address],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
 
-def rank_workers() -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["cmdline"]) if "ray::TensorParallelWorker" in " ".join(p.info["cmdline"] or [])]
+def rank_workers(serve: subprocess.Popen) -> list[psutil.Process]:
+    """The tensor-parallel worker processes of this `kvloom serve`'s cluster."""
+    found = []
+    for child in psutil.Process(serve.pid).children(recursive=True):
+        try:
+            if "ray::TensorParallelWorker" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:  # it ended meanwhile
+            continue
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +90,7 @@ def offline_text():
 
 
 def test_a_streamed_completion_equals_the_offline_engine(served, offline_text):
-    client, log = served
+    client, log, _ = served
     stream = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream if c.choices) == offline_text(24)
@@ -86,7 +98,7 @@ def test_a_streamed_completion_equals_the_offline_engine(served, offline_text):
 
 
 def test_status_shows_one_replica_with_its_ranks_and_their_placement(served):
-    shown = status()
+    shown = status(served[1])
     assert "1 replica(s)" in shown
     lines = shown.splitlines()
     assert lines[2].split()[3] == "2"  # the tp column
@@ -97,8 +109,8 @@ def test_status_shows_one_replica_with_its_ranks_and_their_placement(served):
 
 
 def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_back(served, offline_text):
-    client, _ = served
-    workers = rank_workers()
+    client, log, process = served
+    workers = rank_workers(process)
     assert len(workers) == 1
     got: dict = {"chunks": []}
 
@@ -122,7 +134,7 @@ def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_bac
     # replica, continued the stream there from the tokens the client had: nothing lost, nothing repeated
     assert "error" not in got and got["finish"] == "length", got.get("error")
     assert "".join(c.text for c in got["chunks"]) == offline_text(64)
-    assert wait_for(lambda: [w.pid for w in rank_workers()] not in ([], [workers[0].pid]), 240, period_s=1)
+    assert wait_for(lambda: [w.pid for w in rank_workers(process)] not in ([], [workers[0].pid]), 240, period_s=1)
     again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
     assert again.usage.completion_tokens == 8
-    assert "1 replica(s)" in status()
+    assert "1 replica(s)" in status(log)
