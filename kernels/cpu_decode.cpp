@@ -1,7 +1,7 @@
 // Paged decode attention for CPU: one query token per request, read straight from the block
 // cache (no gather copy, no padding, no mask). A work item is one request (or one of its kv heads
-// when requests are too few to feed every thread); items are dealt to ATen's threads in runs of
-// equal cost. An item walks its request's blocks once with an online softmax. Per block and kv
+// when requests are too few to feed every thread); ATen's threads take items from a shared counter,
+// longest first. An item walks its request's blocks once with an online softmax. Per block and kv
 // head, each query head sharing it (GQA) scores the block's keys, 8 per reduction tree, and folds
 // in its values while both are still in L1; the next block (scattered, so the hardware prefetcher
 // cannot guess it) is prefetched a slice per query head, spread over the block's work: one burst
@@ -22,6 +22,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -360,25 +361,26 @@ at::Tensor run(const at::Tensor& query, const at::BFloat16* query_bf16, const at
   float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // a work item is a request, or one of its kv heads when there are too few requests to keep every
-  // thread busy; items are dealt to threads in contiguous runs of about equal cost (keys x heads),
-  // since requests' contexts differ widely and a static split would leave one thread waiting
+  // thread busy. Threads take items one at a time from a shared counter, longest context first, so the
+  // last items to finish are short ones; and a thread the OS preempts (a serving host runs its HTTP
+  // server, router and client on the same cores) holds up only the item it has, where a fixed split
+  // would make every other thread wait at the end of the call for its whole share.
   const int64_t threads = at::get_num_threads();
   const int64_t split = B >= 4 * threads ? 1 : KVH;
   const int64_t items = B * split;
-  std::vector<int64_t> cost_before(items + 1, 0);
-  for (int64_t i = 0; i < items; ++i) cost_before[i + 1] = cost_before[i] + sl[i / split];
-  std::vector<int64_t> run_start(threads + 1, items);
-  for (int64_t r = 0; r < threads; ++r)
-    run_start[r] = std::lower_bound(cost_before.begin(), cost_before.end(), cost_before[items] * r / threads) -
-                   cost_before.begin();
+  std::vector<int64_t> order(items);
+  for (int64_t i = 0; i < items; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sl[a / split] > sl[b / split]; });
+  std::atomic<int64_t> next{0};
   const int64_t heads_per_item = KVH / split;
   // per thread: the heads' softmax states, one block's scores, and paired queries (all H of them,
   // indexed by head)
   const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 + H * D;
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(scratch_floats);
-    for (int64_t i = run_start[begin]; i < run_start[end]; ++i) {
-      const int64_t b = i / split, first = (i % split) * heads_per_item;
+    for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < items;
+         n = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t i = order[n], b = i / split, first = (i % split) * heads_per_item;
       const Item item{q + b * H * D, query_bf16 ? query_bf16 + b * H * D : nullptr, bt + b * MAXB, sl[b],
                       o + b * H * D, first, first + heads_per_item};
       fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());

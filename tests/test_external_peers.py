@@ -109,7 +109,25 @@ def test_peer_selection_follows_the_cpu():
     assert [s.name for s in peers.external_systems(["vllm", "llama.cpp"], amx)] == [
         "vllm-bf16", "vllm-fp32", "continuous-fp32", "llama.cpp-bf16"]
     assert [s.name for s in peers.external_systems(["llama.cpp"], zen3)] == ["llama.cpp-f16"]
-    names = [s.name for s in make_systems(["continuous"], ["vllm-serve", "kvloom-serve"])]
-    assert names == ["continuous", "vllm-serve-bf16", "kvloom-serve"]
+    # vLLM emulates bfloat16 without it in hardware: float32 is its best there, offline and served
+    assert [s.name for s in peers.external_systems(["vllm", "vllm-serve"], zen3)] == [
+        "vllm-fp32", "continuous-fp32", "vllm-serve-fp32"]
+    kinds = [s.kind for s in make_systems(["continuous"], ["vllm-serve", "kvloom-serve"])]
+    assert kinds == ["kvloom", "vllm-serve", "kvloom-serve"]
     with pytest.raises(ValueError, match="unknown"):
         make_systems(["continuous"], ["tgi"])
+
+
+def test_latency_goal_compares_with_the_vllm_serve_that_ran():
+    from kvloom.benchmarks.goals import latency_peer_goal
+
+    def served(name: str, kind: str, ttft: float, tpot: float) -> dict:
+        stats = {"ttft": {"p50": ttft, "p99": 2 * ttft}, "tpot": {"p50": tpot, "p99": 2 * tpot}}
+        return {"spec": {"name": name, "kind": kind}, "metrics": stats}
+
+    run = {"params": {}, "results": [served("vllm-serve-fp32", "vllm-serve", 0.2, 0.05),
+                                     served("kvloom-serve", "kvloom-serve", 0.1, 0.04)]}
+    goal = latency_peer_goal([run], "single-stream")
+    assert goal.met and "ttft.p50 100 vs 200 ms" in goal.measured
+    run["results"][1] = served("kvloom-serve", "kvloom-serve", 0.3, 0.04)
+    assert latency_peer_goal([run], "single-stream").met is False
