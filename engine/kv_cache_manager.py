@@ -66,9 +66,8 @@ class KVCacheManager:
             if not held:
                 del self._held[request.request_id]
             return False
-        if self.enable_prefix_caching and not held:
-            self.stats.queries += request.num_tokens
-            self.stats.hits += len(cached_prefix) * self.block_size
+        if not held:
+            self._count_lookup(request, len(cached_prefix) * self.block_size)
         for block in cached_prefix:
             self.pool.touch(block)
         held.extend(cached_prefix)
@@ -78,6 +77,12 @@ class KVCacheManager:
             held.extend(self.pool.allocate(fresh))
         request.block_ids = [b.block_id for b in held]
         return True
+
+    def _count_lookup(self, request: Request, hit_tokens: int) -> None:
+        """Prefix-cache stats, once per request: when it first gets blocks (allocated or forked)."""
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += hit_tokens
 
     def fork(self, source: Request, request: Request, num_tokens: int) -> list[tuple[int, int]] | None:
         """Give `request` (holding no blocks) the KV of `source`'s first `num_tokens` tokens, copy-on-write, and
@@ -96,9 +101,7 @@ class KVCacheManager:
         self._held[request.request_id] = shared + fresh
         request.block_ids = [b.block_id for b in shared + fresh]
         request.block_hashes = source.block_hashes[:num_full]
-        if self.enable_prefix_caching:
-            self.stats.queries += request.num_tokens
-            self.stats.hits += num_tokens
+        self._count_lookup(request, num_tokens)
         if num_tokens % self.block_size == 0:
             return []
         return [(source_blocks[num_full].block_id, fresh[0].block_id)]
