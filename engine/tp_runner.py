@@ -185,7 +185,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     shards = plan_shards(model_config, world)
     try:
         group = TensorParallelGroup(store, name, shards, 0, device, config.distributed_timeout_s)
-        runner = TensorParallelRunner(*rank_runner_args(spec(0), group), group=group, workers=workers,
+        runner = TensorParallelRunner(*rank_runner_args(spec(0), group, model_config), group=group, workers=workers,
                                       num_threads=num_threads)
     except BaseException:
         workers.stop()

@@ -45,11 +45,10 @@ class WorkerSpec:
         return self.engine_config.distributed_timeout_s
 
 
-def rank_runner_args(spec: WorkerSpec, group: TensorParallelGroup) -> tuple:
+def rank_runner_args(spec: WorkerSpec, group: TensorParallelGroup, model_config: ModelConfig) -> tuple:
     """A runner's arguments for this rank (rank 0 too): its decoder over its shard, its share of the KV pool."""
     config = spec.engine_config
     model_dir = resolve_model_dir(config.model)
-    model_config = ModelConfig.from_dir(model_dir)
     device = torch.device(spec.device)
     decoder = load_shard_decoder(model_dir, model_config, group.shard, group, spec.dtype, device)
     backend = select_backend(config.attention_backend, device)
@@ -69,10 +68,11 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))  # NCCL maps each rank to its current device
     store = open_store(spec.store_host, spec.store_port, is_master=False, timeout_s=spec.timeout_s)
-    shards = plan_shards(ModelConfig.from_dir(resolve_model_dir(spec.engine_config.model)), spec.world_size)
+    model_config = ModelConfig.from_dir(resolve_model_dir(spec.engine_config.model))
+    shards = plan_shards(model_config, spec.world_size)
     group = TensorParallelGroup(store, spec.group_name, shards, spec.rank, torch.device(spec.device), spec.timeout_s)
     try:
-        runner = ModelRunner(*rank_runner_args(spec, group))
+        runner = ModelRunner(*rank_runner_args(spec, group, model_config))
     except Exception:
         logger.exception("tensor-parallel rank %d could not load its shard", spec.rank)
         group.gather_ints([-1, -1])  # rank 0 raises, naming this rank
