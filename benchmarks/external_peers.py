@@ -148,7 +148,7 @@ def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
     W1, 600 s limit hit with every request unfinished), so float32 is its best and the one compared."""
     fast_bf16 = (isa or host_isa()).fast_bfloat16
     vllm_dtypes = {"bf16": "bfloat16", "fp32": "float32"} if fast_bf16 else {"fp32": "float32"}
-    served = next(iter(vllm_dtypes))  # its default where it runs that fast
+    served = "bf16" if fast_bf16 else "fp32"
     table = {
         "vllm": [*(SystemSpec(f"vllm-{short}", "vllm", engine={"dtype": dtype}) for short, dtype in vllm_dtypes.items()),
                  SystemSpec("continuous-fp32", "kvloom", strategy="continuous", engine={"dtype": "float32"})],

@@ -112,6 +112,7 @@ def test_peer_selection_follows_the_cpu():
     # vLLM emulates bfloat16 without it in hardware: float32 is its best there, offline and served
     assert [s.name for s in peers.external_systems(["vllm", "vllm-serve"], zen3)] == [
         "vllm-fp32", "continuous-fp32", "vllm-serve-fp32"]
+    assert [s.name for s in peers.external_systems(["vllm-serve"], amx)] == ["vllm-serve-bf16"]
     kinds = [s.kind for s in make_systems(["continuous"], ["vllm-serve", "kvloom-serve"])]
     assert kinds == ["kvloom", "vllm-serve", "kvloom-serve"]
     with pytest.raises(ValueError, match="unknown"):
