@@ -8,7 +8,7 @@ import asyncio
 import json
 
 import pytest
-from aiohttp import web
+from aiohttp import ClientResponseError, web
 
 from kvloom.benchmarks.http_replay import replay_http
 from kvloom.benchmarks.workloads import Workload, WorkloadRequest
@@ -65,7 +65,7 @@ async def test_every_streamed_chunk_is_timed_and_arrivals_are_honoured(base):
 
 
 async def test_an_error_status_or_an_error_chunk_fails_the_replay(base):
-    with pytest.raises(Exception, match="400"):
+    with pytest.raises(ClientResponseError, match="400"):
         await replay_http(base, Workload("w", [WorkloadRequest("x", "bad", 2)]))
     with pytest.raises(RuntimeError, match="y: replica died"):
         await replay_http(base, Workload("w", [WorkloadRequest("y", "fails midway", 2)]))
