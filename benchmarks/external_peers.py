@@ -70,7 +70,7 @@ def llama_cpp_install() -> PeerInstall:
 
 
 def llama_gguf(dtype: str) -> Path:
-    """The embedded model converted by llama.cpp's own converter (F16 or BF16)."""
+    """The embedded model as a GGUF file of this type (f16, bf16, q8_0, q4_0: see peer_setup/llama_cpp.sh)."""
     return peers_root() / "gguf" / f"smollm2-{dtype}.gguf"
 
 
@@ -141,8 +141,11 @@ def parse_vllm_offline(doc: dict, workload: Workload) -> tuple[list[RequestRecor
 def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
     """The specs for the named external peers, at the dtypes the goals compare: vLLM offline in bfloat16
     (its CPU default) and float32, with kvloom's continuous engine in float32 beside them (the default
-    strategy runs dtype auto); `vllm serve` at its default, bfloat16; llama.cpp at its fastest GGUF type
-    here (BF16 where the CPU multiplies it, else F16); `kvloom serve` at its default, dtype auto.
+    strategy runs dtype auto); `vllm serve` at its default, bfloat16; llama.cpp at each GGUF type that may be
+    its fastest here, the goal taking the fastest: its 16-bit one (BF16 where the CPU multiplies it, else F16),
+    and the quantized Q8_0 and Q4_0 (whose outputs differ from the model's: their weights are rounded to 8 and
+    4 bits; Q4_0 was llama.cpp's fastest on W1 on an AVX2-only EPYC, Q4_K_M slower than F16 there);
+    `kvloom serve` at its default, dtype auto.
     On a CPU without bfloat16 arithmetic vLLM runs in float32 only, offline and served: its bfloat16
     default is emulated there (measured on an AVX2-only EPYC: ~40 prompt tok/s and ~1 output tok/s on
     W1, 600 s limit hit with every request unfinished), so float32 is its best and the one compared."""
@@ -153,8 +156,8 @@ def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
         "vllm": [*(SystemSpec(f"vllm-{short}", "vllm", engine={"dtype": dtype}) for short, dtype in vllm_dtypes.items()),
                  SystemSpec("continuous-fp32", "kvloom", strategy="continuous", engine={"dtype": "float32"})],
         "vllm-serve": [SystemSpec(f"vllm-serve-{served}", "vllm-serve", engine={"dtype": vllm_dtypes[served]})],
-        "llama.cpp": [SystemSpec(f"llama.cpp-{'bf16' if fast_bf16 else 'f16'}", "llama.cpp",
-                                 engine={"dtype": "bf16" if fast_bf16 else "f16"})],
+        "llama.cpp": [SystemSpec(f"llama.cpp-{gguf}", "llama.cpp", engine={"dtype": gguf})
+                      for gguf in ("bf16" if fast_bf16 else "f16", "q8_0", "q4_0")],
         "kvloom-serve": [SystemSpec("kvloom-serve", "kvloom-serve")],
     }
     return [spec for kind in kinds for spec in table[kind]]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up llama.cpp's llama-server as a benchmark peer: built from the source the llama-cpp-python sdist
 # carries (-march=native, so the build folder is keyed by this CPU's instruction set), plus the embedded
-# SmolLM2 converted by llama.cpp's own converter to F16 and BF16 GGUF files. Idempotent.
+# SmolLM2 as GGUF files of each type that may be llama.cpp's fastest on a CPU: F16 and BF16 and Q8_0 (by
+# llama.cpp's own converter) and Q4_0 (by its llama-quantize, from the F16 file). Idempotent.
 #   bash benchmarks/peer_setup/llama_cpp.sh     (under ~/.cache/kvloom/peers, or $KVLOOM_PEERS_DIR)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,19 +19,22 @@ if [[ ! -d $src ]]; then
   tar -xzf "$root/src/llama_cpp_python-$version.tar.gz" -C "$root/src"
   mv "$root/src/llama_cpp_python-$version" "$src"
 fi
-if [[ ! -x $prefix/bin/llama-server ]]; then
+for tool in llama-server llama-quantize; do
+  [[ -x $prefix/bin/$tool ]] && continue
   cmake -S "$src/vendor/llama.cpp" -B "$prefix/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
-  cmake --build "$prefix/build" --target llama-server -j "$(nproc)"
+  cmake --build "$prefix/build" --target "$tool" -j "$(nproc)"
   mkdir -p "$prefix/bin"
-  cp "$prefix/build/bin/llama-server" "$prefix/bin/"
-fi
+  cp "$prefix/build/bin/$tool" "$prefix/bin/"
+done
 model_dir=$($python -c "from kvloom.engine.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))")
 mkdir -p "$root/gguf"
 # the converter tries sentencepiece before the tokenizer.json route, and fails if the module is missing
 $python -c "import sentencepiece" 2>/dev/null || $python -m pip install -q sentencepiece
-for type in f16 bf16; do
+for type in f16 bf16 q8_0; do
   out="$root/gguf/smollm2-$type.gguf"
   [[ -f $out ]] || $python "$src/vendor/llama.cpp/convert_hf_to_gguf.py" "$model_dir" --outtype "$type" --outfile "$out"
 done
+[[ -f $root/gguf/smollm2-q4_0.gguf ]] || "$prefix/bin/llama-quantize" "$root/gguf/smollm2-f16.gguf" \
+  "$root/gguf/smollm2-q4_0.gguf" Q4_0 >/dev/null
 echo "$prefix/bin/llama-server"
