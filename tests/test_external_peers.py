@@ -137,3 +137,18 @@ def test_latency_goal_compares_with_the_vllm_serve_that_ran():
     assert goal.met and "ttft.p50 100 vs 200 ms" in goal.measured
     run["results"][1] = served("kvloom-serve", "kvloom-serve", 0.3, 0.04)
     assert latency_peer_goal([run], "single-stream").met is False
+
+
+def test_llama_cpp_goal_compares_with_its_fastest_gguf_type_that_ran():
+    from kvloom.benchmarks.goals import peer_goals
+
+    def ran(name: str, kind: str, tok_s: float | None) -> dict:
+        return {"spec": {"name": name, "kind": kind, "engine": {}},
+                "metrics": None if tok_s is None else {"output_tok_s": tok_s, "peak_rss_mb": 1000.0}}
+
+    run = {"results": [ran("continuous", "kvloom", 120.0), ran("kvloom-serve", "kvloom-serve", 96.0),
+                       ran("llama.cpp-f16", "llama.cpp", 68.0), ran("llama.cpp-q8_0", "llama.cpp", 64.0),
+                       ran("llama.cpp-q4_0", "llama.cpp", 74.0), ran("llama.cpp-bf16", "llama.cpp", None)]}
+    goal = next(g for g in peer_goals(run) if g.name == "W1 over HTTP vs llama.cpp")
+    assert goal.met is False
+    assert goal.measured.startswith("1.30x") and "llama.cpp-q4_0 74.0" in goal.measured
