@@ -111,7 +111,7 @@ def test_peer_selection_follows_the_cpu():
     # llama.cpp's 16-bit type follows the CPU; its quantized ones run everywhere, the fastest is compared
     assert [s.name for s in peers.external_systems(["llama.cpp"], zen3)] == [
         "llama.cpp-f16", "llama.cpp-q8_0", "llama.cpp-q4_0"]
-    assert [peers.server_command(s, SETTINGS, 768, 9000, Path("/tmp"))[0][2].rsplit("/", 1)[-1]
+    assert [Path(flag(peers.server_command(s, SETTINGS, 768, 9000, Path("/tmp"))[0], "-m")).name
             for s in peers.external_systems(["llama.cpp"], zen3)] == [
         "smollm2-f16.gguf", "smollm2-q8_0.gguf", "smollm2-q4_0.gguf"]
     # vLLM emulates bfloat16 without it in hardware: float32 is its best there, offline and served

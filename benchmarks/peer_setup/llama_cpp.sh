@@ -19,14 +19,13 @@ if [[ ! -d $src ]]; then
   tar -xzf "$root/src/llama_cpp_python-$version.tar.gz" -C "$root/src"
   mv "$root/src/llama_cpp_python-$version" "$src"
 fi
-for tool in llama-server llama-quantize; do
-  [[ -x $prefix/bin/$tool ]] && continue
+if [[ ! -x $prefix/bin/llama-server || ! -x $prefix/bin/llama-quantize ]]; then
   cmake -S "$src/vendor/llama.cpp" -B "$prefix/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF
-  cmake --build "$prefix/build" --target "$tool" -j "$(nproc)"
+  cmake --build "$prefix/build" --target llama-server llama-quantize -j "$(nproc)"
   mkdir -p "$prefix/bin"
-  cp "$prefix/build/bin/$tool" "$prefix/bin/"
-done
+  cp "$prefix/build/bin/llama-server" "$prefix/build/bin/llama-quantize" "$prefix/bin/"
+fi
 model_dir=$($python -c "from kvloom.engine.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))")
 mkdir -p "$root/gguf"
 # the converter tries sentencepiece before the tokenizer.json route, and fails if the module is missing
