@@ -1,7 +1,8 @@
 """Multi-node placement: a 2-node Ray cluster on this machine, each node declaring two logical GPUs.
 
-Two tensor-parallel replicas of 2 ranks, each rank asking for `num_gpus: 1` in a STRICT_PACK placement group,
-land one per node with both ranks beside each other; with no CUDA device they run on CPU (gloo) and say so.
+Two tensor-parallel replicas of 2 ranks of the tiny model (placement is what is tested), each rank asking for
+`num_gpus: 1` in a STRICT_PACK placement group, land one per node with both ranks beside each other; with no CUDA
+device they run on CPU (gloo) and say so.
 Runs in a fresh interpreter because it needs its own Ray cluster (the session one is single-node).
 """
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """
-    import json, socket, time
+    import json, socket, sys, time
     import ray
     from ray import serve
     from ray.cluster_utils import Cluster
@@ -30,7 +31,8 @@ SCRIPT = textwrap.dedent(
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ClusterConfig.model_validate({
-        "engine": {"kv_cache_memory_bytes": 67108864, "max_model_len": 512, "tensor_parallel_size": 2},
+        "engine": {"model": sys.argv[1], "kv_cache_memory_bytes": 4194304, "max_model_len": 512,
+                   "tensor_parallel_size": 2},
         "num_replicas": 2, "resources": {"num_cpus": 0.5, "num_gpus": 1, "torch_threads": 1}})
     serve.run(build_app(config), name="kvloom", route_prefix="/")
     router = serve.get_deployment_handle(ROUTER_NAME, "kvloom")
@@ -45,8 +47,9 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_tensor_parallel_gpu_replicas_pack_one_per_node_and_fall_back_to_cpu():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=420)
+def test_tensor_parallel_gpu_replicas_pack_one_per_node_and_fall_back_to_cpu(tiny_model_dir):
+    done = subprocess.run([sys.executable, "-c", SCRIPT, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=420)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line[7:] for line in done.stdout.splitlines() if line.startswith("RESULT ")))
     replicas = result["replicas"]
