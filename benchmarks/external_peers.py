@@ -256,7 +256,7 @@ def running_server(spec: SystemSpec, settings: BenchSettings, max_model_len: int
                                        start_new_session=True)
             try:
                 with PeakTreeRSS(process.pid) as rss:
-                    if not wait_for(lambda: _healthy(base) or process.poll() is not None, SERVER_START_S) \
+                    if not wait_for(lambda: healthy(base) or process.poll() is not None, SERVER_START_S) \
                             or process.poll() is not None:
                         raise ServerUnavailable(f"error: the server did not start (see {log_path})")
                     yield Server(base, process, rss)
@@ -279,7 +279,7 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
     return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
 
 
-def _healthy(base: str) -> bool:
+def healthy(base: str) -> bool:
     try:
         return httpx.get(f"{base}/health", timeout=2).status_code == 200
     except httpx.HTTPError:

@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.cpu_threads import name_os_thread
 from kvloom.engine.errors import EngineDeadError
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
@@ -302,6 +303,7 @@ class AsyncLLMEngine:
             loop.call_soon_threadsafe(_accept_all, items)
 
     def _run(self, config: EngineConfig) -> None:
+        name_os_thread(self._thread.name)
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         try:

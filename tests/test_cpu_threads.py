@@ -1,7 +1,12 @@
 """Thread counts and OpenMP waiting for CPU engines: an even split of a node's cores, and kvloom's spin
 default that never overrides an operator's own choice."""
 
+import os
+import threading
+from pathlib import Path
+
 import pytest
+import torch
 
 from kvloom.engine import cpu_threads
 
@@ -28,3 +33,18 @@ def test_an_operators_wait_policy_is_not_overridden(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert cpu_threads.openmp_env() == {}
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux names threads in /proc")
+def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
+    def engine_thread():
+        cpu_threads.name_os_thread("kvloom-engine")
+        torch.set_num_threads(2)
+        torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region: its workers start here
+        seen.extend(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
+
+    seen: list[str] = []
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen.count("kvloom-engine") >= 2, seen  # the thread and at least one OpenMP worker

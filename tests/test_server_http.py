@@ -140,10 +140,11 @@ def test_deeply_nested_or_oversized_bodies_get_400_and_413(server, client):
     assert client.completions.create(model="smollm2", prompt="ok", max_tokens=2).choices[0].finish_reason
 
 
-def test_disconnect_mid_stream_frees_blocks_within_10s(server):
-    """Alone this takes ~1 s (Serve's proxy sees the disconnect, the router aborts, the next 0.5 s stats push
-    shows the blocks free); inside the full suite on 2 cores it measured 2.0-2.1 s, and once 5.3 s. A leak would
-    hold the blocks for the whole 1,000 tokens (~40 s)."""
+def test_disconnect_mid_stream_frees_blocks_within_30s(server):
+    """Alone this takes ~0.5 s (Serve's proxy sees the disconnect, the router aborts, the next 0.5 s stats push
+    shows the blocks free); inside the full suite on 2 cores it measured 2.0-2.1 s, once 5.3 s and once over 10 s
+    (its 9 blocks then held ~130 generated tokens: ~80 ms a token on the loaded host). A leak holds the blocks
+    for the whole 1,000 tokens: ~40 s alone, ~80 s at that pace."""
     base, router = server
     body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
@@ -157,7 +158,7 @@ def test_disconnect_mid_stream_frees_blocks_within_10s(server):
         stats = router.replica_stats.remote().result()[0]
         if stats["num_running"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]:
             break
-        assert time.monotonic() - disconnected < 10.0, f"blocks still held: {stats}"
+        assert time.monotonic() - disconnected < 30.0, f"blocks still held: {stats}"
         time.sleep(0.05)
 
 
