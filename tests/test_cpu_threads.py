@@ -44,7 +44,9 @@ def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
         seen.extend(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
 
     seen: list[str] = []
+    threads = torch.get_num_threads()
     thread = threading.Thread(target=engine_thread)
     thread.start()
     thread.join()
+    torch.set_num_threads(threads)
     assert seen.count("kvloom-engine") >= 2, seen  # the thread and at least one OpenMP worker
