@@ -30,6 +30,7 @@ from kvloom.benchmarks.external_peers import healthy, kvloom_serve_command
 from kvloom.benchmarks.process_tree import stop_tree, wait_for
 from kvloom.benchmarks.tiny_model import build_tiny_llama
 from kvloom.cluster.ports import free_port
+from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME
 from kvloom.kernels.host_isa import host_isa
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serving-overhead.md"
@@ -39,7 +40,6 @@ ROLES = (("ServeReplica:kvloom:Router", "router"), ("ProxyActor", "Serve proxy")
          ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
          ("dashboard", "dashboard agent"), ("log_monitor", "log monitor"),
          ("kvloom.cluster.cli serve", "`kvloom serve` driver"))
-ENGINE_THREAD = "kvloom-engine"  # the engine loop's OS thread name, which its OpenMP workers inherit
 
 
 def thread_cpu_seconds() -> dict[tuple[int, int], tuple[str, str, float]]:
@@ -60,7 +60,7 @@ def thread_cpu_seconds() -> dict[tuple[int, int], tuple[str, str, float]]:
 
 def role(cmdline: str, thread: str) -> str:
     if "ServeReplica:kvloom:EngineReplica" in cmdline:
-        return f"engine replica: {'engine threads (tiny model)' if thread == ENGINE_THREAD else 'other threads'}"
+        return f"engine replica: {'engine threads (tiny model)' if thread == ENGINE_THREAD_NAME else 'other threads'}"
     return next((name for marker, name in ROLES if marker in cmdline), "other")
 
 

@@ -19,7 +19,7 @@ from typing import TypeVar
 import torch
 
 from kvloom.engine.config import EngineConfig
-from kvloom.engine.cpu_threads import name_os_thread
+from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread
 from kvloom.engine.errors import EngineDeadError
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
@@ -170,7 +170,7 @@ class AsyncLLMEngine:
         self._stopped = False
         self.dead_error: BaseException | None = None
         self._loaded = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(config or EngineConfig(),), name="kvloom-engine",
+        self._thread = threading.Thread(target=self._run, args=(config or EngineConfig(),), name=ENGINE_THREAD_NAME,
                                         daemon=True)
         self._thread.start()
         self._loaded.wait()

@@ -20,6 +20,7 @@ import os
 
 OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "300000"}
 PR_SET_NAME = 15  # prctl option (linux/prctl.h)
+ENGINE_THREAD_NAME = "kvloom-engine"  # an engine loop's thread, and the OpenMP workers it starts
 
 
 def openmp_env() -> dict[str, str]:

@@ -38,7 +38,7 @@ def test_an_operators_wait_policy_is_not_overridden(monkeypatch):
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux names threads in /proc")
 def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
     def engine_thread():
-        cpu_threads.name_os_thread("kvloom-engine")
+        cpu_threads.name_os_thread(cpu_threads.ENGINE_THREAD_NAME)
         torch.set_num_threads(2)
         torch.randn(512, 512) @ torch.randn(512, 512)  # a parallel region: its workers start here
         seen.extend(Path(f"/proc/self/task/{tid}/comm").read_text().strip() for tid in os.listdir("/proc/self/task"))
@@ -49,4 +49,4 @@ def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
     thread.start()
     thread.join()
     torch.set_num_threads(threads)
-    assert seen.count("kvloom-engine") >= 2, seen  # the thread and at least one OpenMP worker
+    assert seen.count(cpu_threads.ENGINE_THREAD_NAME) >= 2, seen  # the thread and at least one OpenMP worker
