@@ -57,6 +57,12 @@ class Job:
     estimated_tokens: int = 0  # prompt + max_tokens, for sjf
     arrival: float = field(default_factory=time.monotonic)
 
+    @property
+    def shares_prompt(self) -> bool:
+        """A prompt's later choice (n > 1): it forks the first choice's prompt KV and rides on that choice's
+        admission, so the prompt counts once, as OpenAI and vLLM count it, in usage, quotas and fair share."""
+        return "fork_of" in self.payload
+
 
 class Dispatcher:
     def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2,
@@ -77,14 +83,16 @@ class Dispatcher:
             self.active -= 1
 
     async def _run(self, job: Job) -> AsyncIterator[dict]:
-        tenant = job.tenant
+        tenant, admitted = job.tenant, not job.shares_prompt
         try:
-            tenant.quota.admit(tenant.name, job.prompt_tokens, job.max_tokens, job.arrival)
+            if admitted:
+                tenant.quota.admit(tenant.name, job.prompt_tokens, job.max_tokens, job.arrival)
         except APIError as exc:
             self._rejected(tenant, exc)
             raise
         ticket = Ticket(job.request_id, job.prompt_hashes, tenant.name, job.priority, tenant.weight,
-                        job.prompt_tokens, job.estimated_tokens, job.arrival, tenant.config.quotas.max_queue_wait_s)
+                        job.prompt_tokens if admitted else 0, job.estimated_tokens, job.arrival,
+                        tenant.config.quotas.max_queue_wait_s)
         try:
             async for chunk in self._attempts(job, ticket):
                 yield chunk
@@ -92,7 +100,8 @@ class Dispatcher:
             self._rejected(tenant, exc)
             raise
         finally:
-            tenant.quota.finish(job.prompt_tokens, ticket.dispatched)
+            if admitted:
+                tenant.quota.finish(job.prompt_tokens, ticket.dispatched)
 
     def _rejected(self, tenant: Tenant, exc: APIError) -> None:
         tenant.reject(exc.code)
@@ -144,15 +153,17 @@ class Dispatcher:
 
     async def _observed(self, job: Job, ticket: Ticket, response, delivered: Delivered) -> AsyncIterator[dict]:
         """Account every streamed token to the tenant as it passes, once however many replicas the stream
-        took (aborted requests count too), and note what the client has in `delivered`."""
-        tenant, label = job.tenant, job.tenant.name
+        took (aborted requests count too), and note what the client has in `delivered`. A prompt's later
+        choices count their generated tokens only."""
+        tenant, label, own_prompt = job.tenant, job.tenant.name, not job.shares_prompt
         async for chunk in response:
             generated = len(chunk.get("token_ids") or ())
             if "error" not in chunk and delivered.first_token_at is None and generated:
                 delivered.first_token_at = time.monotonic()
                 self.metrics.ttft.labels(label).observe(delivered.first_token_at - job.arrival)
-                self.metrics.prompt_tokens.labels(label).inc(chunk["prompt_tokens"])
-                tenant.usage.prompt_tokens += chunk["prompt_tokens"]
+                if own_prompt:
+                    self.metrics.prompt_tokens.labels(label).inc(chunk["prompt_tokens"])
+                    tenant.usage.prompt_tokens += chunk["prompt_tokens"]
             if "error" not in chunk:
                 delivered.token_ids += chunk.get("token_ids") or ()
                 delivered.chars += len(chunk.get("text") or "")
@@ -164,7 +175,8 @@ class Dispatcher:
             if chunk.get("finish_reason") is not None:
                 now = time.monotonic()
                 done = chunk["completion_tokens"]
-                tenant.usage.requests += 1
+                if own_prompt:
+                    tenant.usage.requests += 1
                 self.metrics.e2e.labels(label).observe(now - job.arrival)
                 if delivered.first_token_at is not None and done > 1:
                     self.metrics.tpot.labels(label).observe((now - delivered.first_token_at) / (done - 1))

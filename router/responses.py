@@ -26,18 +26,70 @@ class Choice:
     prefix: str = ""  # `echo`: the prompt's text, sent before the generated text
     sent_chars: int = 0  # text already sent (completions' logprobs count text offsets from it)
     chunks: list[dict] = field(default_factory=list)
+    shares_prompt: bool = False  # a prompt's later choice: its prompt is counted with the first one's
+
+
+class ReadAhead:
+    """A started choice's stream, read into a queue while the request's later choices start. Until the last
+    choice has started nothing else reads the earlier ones, and a stream that is not read never reaches its
+    end, where the dispatcher gives its replica slot back: a request with more choices than free slots
+    would wait forever for a slot that its own finished choices hold. An error mid-stream reaches the
+    reader in turn; `aclose` stops the stream wherever it is."""
+
+    _END = object()
+
+    def __init__(self, stream: AsyncIterator[dict]) -> None:
+        self._stream = stream
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for chunk in self._stream:
+                self._queue.put_nowait(chunk)
+        except Exception as exc:
+            self._queue.put_nowait(exc)
+        else:
+            self._queue.put_nowait(self._END)
+
+    def __aiter__(self) -> "ReadAhead":
+        return self
+
+    async def __anext__(self) -> dict:
+        item = await self._queue.get()
+        if item is self._END or isinstance(item, Exception):
+            self._queue.put_nowait(item)  # the stream stays ended
+            if item is self._END:
+                raise StopAsyncIteration
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        await self._stream.aclose()
 
 
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def usage(chunks: list[dict]) -> dict:
-    """Usage over the choices' latest chunks (each carries its request's counts so far)."""
-    prompt = sum(c["prompt_tokens"] for c in chunks)
-    completion = sum(c["completion_tokens"] for c in chunks)
+def _usage(prompt: int, cached: int, completion: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c["cached_tokens"] for c in chunks)}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def chunk_usage(chunk: dict) -> dict:
+    """One choice's counts so far (vLLM's `continuous_usage_stats`): a forked choice shows its prompt as cached."""
+    return _usage(chunk["prompt_tokens"], chunk["cached_tokens"], chunk["completion_tokens"])
+
+
+def usage(latest: list[tuple[Choice, dict]]) -> dict:
+    """A request's usage from each choice's latest chunk (its counts so far). Each prompt counts once
+    however many choices it has, as OpenAI and vLLM count it; every generated token counts."""
+    own = [chunk for choice, chunk in latest if not choice.shares_prompt]
+    return _usage(sum(c["prompt_tokens"] for c in own), sum(c["cached_tokens"] for c in own),
+                  sum(chunk["completion_tokens"] for _, chunk in latest))
 
 
 def joined(chunks: list[dict]) -> tuple[list[int], list[dict], str | None]:
@@ -117,13 +169,13 @@ def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Ch
                     include_usage: bool, continuous_usage: bool) -> StreamingResponse:
     """Server-sent events: one event per chunk of any choice, an error event if a stream fails midway."""
     async def events() -> AsyncIterator[str]:
-        latest = {c.index: c.first for c in choices}
+        latest = {c.index: (c, c.first) for c in choices}
         try:
             async for choice, chunk in merged(choices):
-                latest[choice.index] = chunk
+                latest[choice.index] = choice, chunk
                 event = {**head, "choices": [make_choice(choice, chunk)]}
                 if continuous_usage:
-                    event["usage"] = usage([chunk])
+                    event["usage"] = chunk_usage(chunk)
                 yield _sse(event)
         except APIError as exc:
             yield _sse(exc.body())
@@ -165,4 +217,4 @@ async def collect_response(head: dict, choices: list[Choice], make_choice: Calla
         await close(choices)
     returned = keep(choices) if keep else choices
     return JSONResponse({**head, "choices": [make_choice(c, c.chunks) for c in returned],
-                         "usage": usage([c.chunks[-1] for c in choices])})
+                         "usage": usage([(c, c.chunks[-1]) for c in choices])})

@@ -33,8 +33,8 @@ from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                                     UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
-from kvloom.router.responses import (Choice, LogprobsFormat, close, collect_response, joined, most_likely,
-                                     stream_response)
+from kvloom.router.responses import (Choice, LogprobsFormat, ReadAhead, close, collect_response, joined,
+                                     most_likely, stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
 from kvloom.router.tokenizer import load_router_tokenizer
 from kvloom.router.vtc import VirtualCounters
@@ -238,12 +238,15 @@ class Router:
         """Start the jobs of one HTTP request (several prompts) one after the other: Serve's request router
         indexes pending handle calls by the parent HTTP request's id, so concurrent calls from one request
         overwrite each other there and one is never assigned (a hang, seen with Ray 2.60). The engine
-        still batches them: a prompt waits only for the one before it to reach its first token. If one
-        fails, the ones started are closed."""
+        still batches them: a prompt waits only for the one before it to reach its first token, and each
+        started choice is read ahead meanwhile (`ReadAhead`), so one that finishes frees its slot for the
+        next. If one fails, the ones started are closed."""
         choices: list[Choice] = []
         try:
             for index, job in enumerate(jobs):
-                choices.append(Choice(index, *await self._start(job)))
+                if choices:
+                    choices[-1].stream = ReadAhead(choices[-1].stream)
+                choices.append(Choice(index, *await self._start(job), shares_prompt=job.shares_prompt))
         except BaseException:
             await close(choices)
             raise

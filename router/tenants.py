@@ -80,7 +80,7 @@ def check_unique(tenants: Iterable[TenantConfig], admin_keys: Iterable[str]) -> 
 class Usage:
     """Exact per-tenant accounting of what replicas actually processed and what was refused."""
 
-    requests: int = 0  # finished on a replica
+    requests: int = 0  # finished on a replica (a prompt's n choices count once)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # by reason (the error code)

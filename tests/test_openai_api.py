@@ -190,14 +190,25 @@ def test_bad_values_get_a_400_naming_the_field(base, body, param):
 LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle on the shore"
 
 
-def test_n_greedy_choices_are_the_engines_output_and_fork_the_prompts_kv(client, offline):
+def test_n_greedy_choices_are_the_engines_output_and_count_the_prompt_once(client, offline):
     want = offline_output(offline, LONG_PROMPT, max_tokens=8)
     result = client.completions.create(model="smollm2", prompt=LONG_PROMPT, max_tokens=8, temperature=0, n=3)
     assert [c.index for c in result.choices] == [0, 1, 2]
     assert all(c.text == want.text for c in result.choices)
     assert result.usage.completion_tokens == 3 * len(want.token_ids)
-    # choices 1 and 2 fork choice 0's prompt KV and compute only its last token
-    assert result.usage.prompt_tokens_details.cached_tokens >= 2 * (len(offline.encode(LONG_PROMPT)) - 1)
+    assert result.usage.prompt_tokens == len(offline.encode(LONG_PROMPT))  # as OpenAI and vLLM count it
+
+
+def test_later_choices_fork_the_first_ones_prompt_kv(base, offline):
+    """Each choice's own counts (continuous usage): choices 1 and 2 compute only the prompt's last token."""
+    events = sse_events(base, "/v1/completions", {
+        "model": "smollm2", "prompt": LONG_PROMPT + " again", "max_tokens": 8, "ignore_eos": True, "temperature": 0, "n": 3,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    prompt = len(offline.encode(LONG_PROMPT + " again"))
+    cached = {e["choices"][0]["index"]: e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in events[:-1]}
+    assert cached[1] == cached[2] == prompt - 1
+    assert events[-1]["usage"]["prompt_tokens"] == prompt
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == cached[0] < prompt - 1
 
 
 def test_n_seeded_choices_are_the_seeds_in_turn(client):

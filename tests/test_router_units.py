@@ -5,6 +5,7 @@ router's decisions, not Serve.
 """
 
 import asyncio
+import itertools
 
 import pytest
 import ray.exceptions
@@ -15,6 +16,7 @@ from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.replica_table import ReplicaTable
+from kvloom.router.responses import ReadAhead
 
 
 def stats(replica_id: str, max_num_seqs: int = 2, cached=()) -> dict:
@@ -184,3 +186,35 @@ async def test_moves_are_bounded_by_max_retries_and_retry_wait_s():
     with pytest.raises(APIError) as err:
         _ = [c async for c in dispatcher.run(Job("r", {}, []))]
     assert err.value.status == 503 and "within 0.05 s" in err.value.message
+
+
+async def test_a_choice_read_ahead_frees_its_slot_for_the_next_choice_of_its_request():
+    """One slot, two choices: the first one's stream is read on while the second waits for the slot."""
+    replies = {"a": lambda: ScriptedResponse([chunk([1]), chunk([2], finish="length", done=2)], fail_after=None)}
+    dispatcher, _, _ = make_dispatcher(replies)
+    first = dispatcher.run(Job("first", {}, []))
+    assert (await anext(first))["token_ids"] == [1]
+    second = dispatcher.run(Job("second", {"fork_of": "first"}, []))
+    second_chunk = asyncio.ensure_future(anext(second))
+    await asyncio.sleep(0.2)
+    assert not second_chunk.done()  # unread, the first choice holds the only slot
+    ahead = ReadAhead(first)
+    assert (await asyncio.wait_for(second_chunk, 5))["token_ids"] == [1]
+    assert [c["token_ids"] async for c in ahead] == [[2]]
+    await second.aclose()
+
+
+async def test_read_ahead_passes_errors_on_and_closing_it_stops_the_stream():
+    dispatcher, _, _ = make_dispatcher({"a": lambda: ScriptedResponse([chunk([1])], fail_after=1)}, resumable=False,
+                                       max_retries=0)
+    failing = ReadAhead(dispatcher.run(Job("r", {}, [])))
+    assert (await anext(failing))["token_ids"] == [1]
+    with pytest.raises(APIError):
+        await anext(failing)
+
+    endless = ScriptedResponse((chunk([i]) for i in itertools.count()), fail_after=None)
+    dispatcher, _, table = make_dispatcher({"a": lambda: endless})
+    ahead = ReadAhead(dispatcher.run(Job("r", {}, [])))
+    assert (await anext(ahead))["token_ids"] == [0]
+    await ahead.aclose()
+    assert endless.cancelled and dispatcher.active == 0 and table.replicas["a"].inflight == 0

@@ -157,6 +157,7 @@ async def test_max_concurrent_requests(server):
     assert "retry-after" in refused.headers
     assert (await running).status == 200
     assert (await complete(base, "sk-solo")).status == 200
+    assert (await complete(base, "sk-solo", n=3)).status == 200  # a prompt's choices ride on one admission
 
 
 async def test_queue_wait_over_the_tenant_limit_is_503(server):
@@ -211,7 +212,8 @@ async def test_usage_equals_the_sum_of_usage_returned_to_clients(server):
     calls = [complete(base, "sk-carol", max_tokens=5), complete(base, "sk-dave", max_tokens=7),
              stream(base, "sk-carol", max_tokens=6), stream(base, "sk-dave", max_tokens=3),
              stream(base, "sk-carol", max_tokens=9, path="/v1/chat/completions"),
-             complete(base, "sk-dave", max_tokens=4, stop=["\n"])]
+             complete(base, "sk-dave", max_tokens=4, stop=["\n"]),
+             complete(base, "sk-carol", max_tokens=3, n=3), complete(base, "sk-dave", max_tokens=2)]
     results = await asyncio.gather(*calls)
     after = usage(base)
     assert httpx.get(f"{base}/metrics", timeout=30).status_code == 401  # its labels name tenants
@@ -221,7 +223,7 @@ async def test_usage_equals_the_sum_of_usage_returned_to_clients(server):
         returned = {k: sum(r.usage[k] for r in key_results) for k in ("prompt_tokens", "completion_tokens")}
         got = {k: after[tenant][k] - before[tenant][k] for k in returned}
         assert got == returned
-        assert after[tenant]["requests"] - before[tenant]["requests"] == 3
+        assert after[tenant]["requests"] - before[tenant]["requests"] == 4  # a prompt's n choices: one request
         generated = f'kvloom:generation_tokens_total{{tenant="{tenant}"}} {float(after[tenant]["completion_tokens"])}'
         assert generated in metrics
 
