@@ -7,6 +7,7 @@ router logs its name once.
 """
 
 import json
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,6 +32,32 @@ DEFAULT_VALUES = {"use_beam_search": False, "include_stop_str_in_output": False,
 
 MAX_CHOICES = 64  # choices (prompts times n) in one request: beyond, send several requests
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice")
+
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in a raw body: where such strings can come from
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def not_unicode_field(body: Any, path: str = "") -> str | None:
+    """The first field (dotted path; its parent's, or "body", for a field name) holding a string that is not
+    valid Unicode: JSON may escape a lone UTF-16 surrogate (`"\\ud83d"`), which Python decodes but no
+    tokenizer or UTF-8 encoder takes, nor an error message quoting it."""
+    if isinstance(body, str):
+        return None if _is_unicode(body) else path
+    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and not _is_unicode(key):
+            return path or "body"
+        if (found := not_unicode_field(value, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 def _constraint(field: str, value: Any) -> dict[str, Any]:

@@ -30,8 +30,8 @@ from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
-from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                    UnsupportedFieldError)
+from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, UnsupportedFieldError, not_unicode_field)
 from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.responses import (Choice, LogprobsFormat, ReadAhead, close, collect_response, joined,
                                      most_likely, stream_response)
@@ -176,6 +176,9 @@ class Router:
             raise APIError(400, "malformed JSON body: nested too deeply", None, "invalid_json") from exc
         if not isinstance(body, dict):
             raise APIError(400, "request body must be a JSON object", None, "invalid_json")
+        if SURROGATE_ESCAPE.search(raw) and (field := not_unicode_field(body)) is not None:
+            raise APIError(400, f"{field}: not valid Unicode text (a lone UTF-16 surrogate escape)", field,
+                           "invalid_value")
         try:
             parsed = schema.model_validate(body)
             parsed.check_supported()

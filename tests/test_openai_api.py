@@ -186,6 +186,27 @@ def test_bad_values_get_a_400_naming_the_field(base, body, param):
     assert param in (response.json()["error"]["param"] or "")
 
 
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    ("/v1/completions", r'{"model": "smollm2", "prompt": "a \ud83d b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", r'{"model": "smollm2", "prompt": ["ok", "\uDC00"], "max_tokens": 2}', "prompt.1"),
+    ("/v1/chat/completions", r'{"model": "smollm2", "messages": [{"role": "user", "content": "\ud800"}]}',
+     "messages.0.content"),
+    ("/v1/completions", r'{"model": "\ud83d", "prompt": "hi"}', "model"),
+])
+def test_text_that_is_not_valid_unicode_is_a_400_naming_the_field(base, path, raw, param):
+    """JSON can escape a lone UTF-16 surrogate; no tokenizer takes the string it decodes to."""
+    response = httpx.post(f"{base}{path}", content=raw, headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_escaped_surrogate_pairs_are_text_like_any_other(base, offline):
+    raw = r'{"model": "smollm2", "prompt": "\ud83d\ude00 is", "max_tokens": 3, "temperature": 0}'
+    response = httpx.post(f"{base}/v1/completions", content=raw, headers={"Content-Type": "application/json"},
+                          timeout=60)
+    assert response.json()["choices"][0]["text"] == offline_output(offline, "\U0001F600 is", max_tokens=3).text
+
+
 # ---- n choices ---------------------------------------------------------------------------------------
 LONG_PROMPT = "Write a long story about a lighthouse keeper who finds a message in a bottle on the shore"
 
@@ -202,8 +223,8 @@ def test_n_greedy_choices_are_the_engines_output_and_count_the_prompt_once(clien
 def test_later_choices_fork_the_first_ones_prompt_kv(base, offline):
     """Each choice's own counts (continuous usage): choices 1 and 2 compute only the prompt's last token."""
     events = sse_events(base, "/v1/completions", {
-        "model": "smollm2", "prompt": LONG_PROMPT + " again", "max_tokens": 8, "ignore_eos": True, "temperature": 0, "n": 3,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        "model": "smollm2", "prompt": LONG_PROMPT + " again", "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+        "n": 3, "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
     prompt = len(offline.encode(LONG_PROMPT + " again"))
     cached = {e["choices"][0]["index"]: e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in events[:-1]}
     assert cached[1] == cached[2] == prompt - 1
