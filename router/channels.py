@@ -91,7 +91,7 @@ class ChannelStream:
                 if isinstance(chunk, BaseException):
                     self.finished = True  # nothing left to abort there
                     raise chunk
-                self.finished = chunk["finish_reason"] is not None or "error" in chunk
+                self.finished = "error" in chunk or chunk["finish_reason"] is not None
                 yield chunk
         finally:
             owner.requests.pop(self.request_id, None)

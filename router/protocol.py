@@ -139,7 +139,7 @@ class _Common(_Lenient):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # 64-bit, as vLLM takes (choice j draws with seed + j)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

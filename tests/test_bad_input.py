@@ -142,6 +142,7 @@ def test_token_id_that_is_not_an_integer(engine, serves, bad_id):
         ("logprobs", 21),
         ("n", 2),
         ("stop", [""]),
+        ("seed", 2**64),
     ],
 )
 def test_invalid_sampling_value_names_the_field(engine, serves, field, value):

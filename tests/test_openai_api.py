@@ -178,7 +178,7 @@ def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refuse
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a"] * 65}, "prompt"),
+    ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a"] * 65}, "prompt"), ({"seed": 2**63}, "seed"),
 ])
 def test_bad_values_get_a_400_naming_the_field(base, body, param):
     response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)

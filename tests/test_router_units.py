@@ -6,12 +6,14 @@ router's decisions, not Serve.
 
 import asyncio
 import itertools
+from types import SimpleNamespace
 
 import pytest
 import ray.exceptions
 
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.router.admission import AdmissionQueue, Ticket
+from kvloom.router.channels import ReplicaChannels
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
@@ -218,3 +220,32 @@ async def test_read_ahead_passes_errors_on_and_closing_it_stops_the_stream():
     assert (await anext(ahead))["token_ids"] == [0]
     await ahead.aclose()
     assert endless.cancelled and dispatcher.active == 0 and table.replicas["a"].inflight == 0
+
+
+def scripted_replica_handle(items):
+    """Serve's handle to the replicas, scripted: replica "a" takes any request; its channel streams `items`."""
+    submitted = []
+
+    async def submit(payload, channel, target_replica=None):
+        submitted.append(payload["request_id"])
+        return {"replica": "a"}
+
+    async def outputs(channel, target_replica=None):
+        for item in items(submitted[-1]):
+            yield item
+            await asyncio.sleep(0)
+
+    handle = SimpleNamespace(submit=SimpleNamespace(remote=submit), outputs=SimpleNamespace(remote=outputs),
+                             abort=SimpleNamespace(remote=lambda request_id, target_replica: None))
+    handle.options = lambda stream: handle
+    return handle
+
+
+async def test_an_error_chunk_on_the_output_channel_ends_the_request_with_it():
+    """A request the engine refused once queued (not at submit) comes back as one error chunk, without the
+    fields of a token chunk."""
+    error = {"error": {"message": "refused", "param": "seed"}, "replica": "a"}
+    handle = scripted_replica_handle(lambda rid: [{"replica": "a", "chunks": []},
+                                                {"replica": "a", "chunks": [{"request_id": rid, **error}]}])
+    stream = ReplicaChannels(handle).open({"request_id": "r1"}, "a")
+    assert [chunk async for chunk in stream] == [{"request_id": "r1", **error}]
