@@ -161,8 +161,14 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
 
 
 async def close(choices: list[Choice]) -> None:
-    for choice in choices:
-        await choice.stream.aclose()
+    """Stop every choice's stream, aborting what still runs. Shielded: when the client goes away the caller
+    is cancelled, and Starlette cancels again at each await, so an unshielded loop would stop after the
+    first choice that awaits and leave the later ones generating."""
+    async def close_all() -> None:
+        for choice in choices:
+            await choice.stream.aclose()
+
+    await asyncio.shield(close_all())
 
 
 def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, dict], dict],

@@ -28,6 +28,7 @@ from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
+from kvloom.router.handles import DetachedHandle
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -99,7 +100,9 @@ class Router:
         self.tenants = TenantRegistry()
         self.metrics = RouterMetrics(self.table)
         self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
-        streams = (DisaggStreams(replicas_handle, decode_handle, self.decode_table, self.settings.disagg_transport)
+        replicas_handle = DetachedHandle(replicas_handle)
+        streams = (DisaggStreams(replicas_handle, DetachedHandle(decode_handle), self.decode_table,
+                                 self.settings.disagg_transport)
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries,
                                      self.settings.retry_wait_s)
