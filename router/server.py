@@ -241,12 +241,11 @@ class Router:
         return first, stream
 
     async def _start_all(self, jobs: list[Job]) -> list[Choice]:
-        """Start the jobs of one HTTP request (several prompts) one after the other: Serve's request router
-        indexes pending handle calls by the parent HTTP request's id, so concurrent calls from one request
-        overwrite each other there and one is never assigned (a hang, seen with Ray 2.60). The engine
-        still batches them: a prompt waits only for the one before it to reach its first token, and each
-        started choice is read ahead meanwhile (`ReadAhead`), so one that finishes frees its slot for the
-        next. If one fails, the ones started are closed."""
+        """Start the jobs of one HTTP request (its prompts times n) one after the other, each up to its first
+        chunk: a prompt's later choices fork the first one's prompt KV (`fork_siblings`), and a bad job is a
+        400 before any byte is sent. The engine still batches them: a job waits only for the one before it
+        to reach its first token, and each started choice is read ahead meanwhile (`ReadAhead`), so one that
+        finishes frees its slot for the next. If one fails, the ones started are closed."""
         choices: list[Choice] = []
         try:
             for index, job in enumerate(jobs):
