@@ -57,12 +57,12 @@ class ReadAhead:
 
     async def __anext__(self) -> dict:
         item = await self._queue.get()
-        if item is self._END or isinstance(item, Exception):
-            self._queue.put_nowait(item)  # the stream stays ended
-            if item is self._END:
-                raise StopAsyncIteration
+        if isinstance(item, dict):
+            return item
+        self._queue.put_nowait(item)  # the stream stays ended
+        if isinstance(item, Exception):
             raise item
-        return item
+        raise StopAsyncIteration
 
     async def aclose(self) -> None:
         self._task.cancel()
