@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
@@ -67,6 +68,16 @@ class TenancySettings(PolicyConfig):
 
 
 api = FastAPI(title="kvloom", description="OpenAI-compatible LLM serving")
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    """Unknown paths and wrong methods answer in OpenAI's error shape too (FastAPI's own is `{"detail": ...}`)."""
+    where = f"{request.method} {request.url.path}"
+    message, code = {404: (f"no such endpoint: {where}", "unknown_url"),
+                     405: (f"method not allowed: {where}", "method_not_allowed")}.get(
+                         exc.status_code, (str(exc.detail), None))
+    return APIError(exc.status_code, message, code=code, headers=exc.headers).response()
 
 
 def _draining() -> APIError:

@@ -140,6 +140,17 @@ def test_deeply_nested_or_oversized_bodies_get_400_and_413(server, client):
     assert client.completions.create(model="smollm2", prompt="ok", max_tokens=2).choices[0].finish_reason
 
 
+def test_unknown_endpoints_and_wrong_methods_answer_in_openais_error_shape(server):
+    base = server[0]
+    unknown = httpx.post(f"{base}/v1/embeddings", json={"model": "smollm2", "input": "hi"}, timeout=30)
+    assert unknown.status_code == 404
+    assert unknown.json()["error"] == {"message": "no such endpoint: POST /v1/embeddings", "type": "not_found_error",
+                                       "param": None, "code": "unknown_url"}
+    wrong = httpx.get(f"{base}/v1/completions", timeout=30)
+    assert wrong.status_code == 405 and wrong.json()["error"]["code"] == "method_not_allowed"
+    assert "POST" in wrong.headers["allow"]
+
+
 @pytest.mark.parametrize("n", [1, 4])
 def test_disconnect_mid_stream_frees_blocks_within_30s_and_serving_goes_on(server, client, n):
     """Alone this takes ~0.5 s (Serve's proxy sees the disconnect, the router aborts, the next 0.5 s stats push
