@@ -26,7 +26,7 @@ import yaml
 
 from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, request_rows
 from kvloom.benchmarks.http_replay import replay_http
-from kvloom.benchmarks.metrics import RequestRecord, summarize
+from kvloom.benchmarks.metrics import BatchCounters, RequestRecord, summarize
 from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
@@ -169,8 +169,9 @@ def _max_model_len(workload: Workload) -> int:
 
 
 def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
-            elapsed: float, with_outputs: bool) -> SystemResult:
-    metrics = summarize(spec.name, records, wall)
+            elapsed: float, with_outputs: bool, engine: "EngineCounters | None" = None) -> SystemResult:
+    batch = BatchCounters(int(engine.steps), int(engine.requests)) if engine else None
+    metrics = summarize(spec.name, records, wall, batch, engine_busy_s=engine.seconds if engine else None)
     metrics.peak_rss_mb = peak_mb
     metrics.notes.append("peak RSS: the whole process tree's")
     outputs = {r.request_id: r.output_token_ids for r in records} if with_outputs else {}
@@ -273,10 +274,43 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
         with running_server(spec, settings, _max_model_len(workload), out_dir / "log.txt") as server:
             loaded_mb = tree_rss_mb(server.process.pid)
             left = max(limit_s - (time.monotonic() - start), 60.0)
+            engine = EngineCounters.read(server.base) if spec.kind == "kvloom-serve" else None
             records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left))
+            if engine is not None:
+                time.sleep(1.5)  # replicas push stats every 0.5 s: the run's last steps reach the router
+                engine = EngineCounters.read(server.base) - engine
     except ServerUnavailable as exc:
         return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
-    return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False)
+    return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False,
+                   engine=engine)
+
+
+@dataclass
+class EngineCounters:
+    """kvloom serve's engine counters over all replicas, from its /metrics (`kvloom:engine_*`)."""
+
+    steps: float = 0.0
+    requests: float = 0.0  # computed, summed over steps
+    seconds: float = 0.0  # spent in steps
+
+    @classmethod
+    def read(cls, base: str) -> "EngineCounters":
+        return cls.parse(httpx.get(f"{base}/metrics", timeout=10).text)
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> "EngineCounters":
+        names = {"kvloom:engine_steps_total": "steps", "kvloom:engine_step_requests_total": "requests",
+                 "kvloom:engine_step_seconds_total": "seconds"}
+        counters = cls()
+        for line in metrics_text.splitlines():
+            field = names.get(line.split("{", 1)[0].split(" ", 1)[0])
+            if field:
+                setattr(counters, field, getattr(counters, field) + float(line.rsplit(" ", 1)[1]))
+        return counters
+
+    def __sub__(self, before: "EngineCounters") -> "EngineCounters":
+        return EngineCounters(self.steps - before.steps, self.requests - before.requests,
+                              self.seconds - before.seconds)
 
 
 def healthy(base: str) -> bool:

@@ -89,6 +89,7 @@ def _run_kvloom(spec: SystemSpec, workload: Workload, settings: BenchSettings, o
         spec.name, result.records, result.wall_s, result.counters, kv_usage_mean=result.kv_usage_mean,
         kv_usage_peak=result.kv_usage_peak, prefix_hit_rate=result.prefix_hit_rate,
         preemptions=result.preemptions, forward_fraction=result.forward_fraction, cpu_s=time.process_time() - cpu,
+        engine_busy_s=sum(step.step_s for step in result.steps),
         spec_decode=result.spec_decode,
     )
     return result.records, metrics, loaded, [asdict(s) for s in result.steps]

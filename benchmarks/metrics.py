@@ -120,6 +120,8 @@ class RunMetrics:
     preemptions: int | None = None
     peak_rss_mb: float | None = None
     forward_fraction: float | None = None  # model forward (runner.execute) / step wall time
+    num_steps: int | None = None  # kvloom engine steps that ran a batch (offline, or read from a server's /metrics)
+    engine_busy_s: float | None = None  # seconds of the run the engine spent in those steps
     cpu_s: float | None = None  # process CPU time during the run: less sensitive to neighbours than wall time
     load_avg: float | None = None  # the machine's 1-minute load average at the end of the run
     spec_decode: dict | None = None  # speculative decoding's counters (vLLM's names), when it ran
@@ -160,6 +162,7 @@ def summarize(system: str, records: list[RequestRecord], wall_s: float, batch: B
         itl=LatencyStats.of([g for r in records for g in r.itls]),
         e2e=LatencyStats.of([r.e2e for r in records]),
         mean_batch_size=batch.mean_batch_size,
+        num_steps=batch.num_steps or None,
         idle_ratio=batch.idle_ratio,
         padding_ratio=batch.padding_ratio,
         **extra,

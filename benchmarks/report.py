@@ -110,6 +110,10 @@ def notes(run: dict) -> str:
     for r in run["results"]:
         for note in (r["metrics"] or {}).get("notes", []):
             lines.append(f"- {r['spec']['name']}: {note}")
+        if (m := r["metrics"] or {}).get("engine_busy_s") is not None:
+            lines.append(f"- {r['spec']['name']}: engine {m['num_steps']} steps, mean batch {m['mean_batch_size']:.1f}, "
+                         f"in steps {m['engine_busy_s']:.1f} s of the run's {m['wall_s']:.1f} "
+                         f"({1000 * m['engine_busy_s'] / m['num_steps']:.0f} ms a step)")
         if r["status"] not in ("ok",):
             lines.append(f"- {r['spec']['name']}: {r['status']}")
     for name, eq in run.get("equality", {}).items():

@@ -52,6 +52,7 @@ class EngineStats:
     num_preemptions: int
     num_steps: int
     mean_batch_size: float
+    step_seconds: float  # wall time in steps that ran a batch: over a span's wall time, how busy the engine was
     idle_slot_steps: int
     padding_tokens: int
 
@@ -129,6 +130,7 @@ class LLMEngine:
             config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000,
         )
         self.scheduler = Scheduler(limits, self.kv)
+        self.step_seconds = 0.0  # see EngineStats.step_seconds
         spec = config.speculative_config
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
@@ -327,6 +329,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
@@ -355,6 +358,7 @@ class LLMEngine:
                 if request.park_kv:
                     self.parked[request.request_id] = request
             outputs.append(self._finalize(request, new_tokens) if status else self._output(request, new_tokens))
+        self.step_seconds += time.monotonic() - start
         return outputs
 
     def _accept_tokens(self, request: Request, tokens: list[SampledToken]) -> tuple[list[int], RequestStatus | None]:
@@ -443,6 +447,7 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=counters.num_steps,
             mean_batch_size=counters.batch_slots / counters.num_steps if counters.num_steps else 0.0,
+            step_seconds=self.step_seconds,
             idle_slot_steps=counters.idle_slot_steps,
             padding_tokens=self.scheduler.batching.padding_tokens,
         )

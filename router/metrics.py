@@ -27,6 +27,13 @@ class ReplicaStatsCollector:
             "prefix_cache_queries": CounterMetricFamily("kvloom:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", labels=["replica"]),
             "prefix_cache_hits": CounterMetricFamily("kvloom:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels=["replica"]),
             "num_preemptions": CounterMetricFamily("kvloom:num_preemptions", "Requests preempted by recompute", labels=["replica"]),
+            "engine_steps": CounterMetricFamily("kvloom:engine_steps", "Engine steps that ran a batch", labels=["replica"]),
+            "engine_step_requests": CounterMetricFamily(
+                "kvloom:engine_step_requests", "Requests computed, summed over steps (over engine_steps: the mean batch)",
+                labels=["replica"]),
+            "engine_step_seconds": CounterMetricFamily(
+                "kvloom:engine_step_seconds", "Seconds the engine spent in steps (its rate: how busy it is)",
+                labels=["replica"]),
         }
         spec = {  # vLLM's names; only replicas that speculate report them
             "num_drafts": CounterMetricFamily("kvloom:spec_decode_num_drafts", "Requests given drafted tokens in a step", labels=["replica"]),

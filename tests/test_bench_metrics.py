@@ -8,6 +8,7 @@ import pytest
 from kvloom.benchmarks.bench import compare_outputs
 from kvloom.benchmarks.harness import SystemResult, SystemSpec
 from kvloom.benchmarks.metrics import BatchCounters, LatencyStats, RequestRecord, RunMetrics, percentile, summarize
+from kvloom.benchmarks.report import notes
 from kvloom.benchmarks.sweep import parse_sweep, summarize_sweep
 from kvloom.benchmarks.workloads import TokenCorpus, Workload, make_workload, synthetic_text
 from kvloom.engine.model_config import ModelConfig
@@ -395,3 +396,10 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path, monkeypatch, cor
     else:
         assert [r["spec"]["name"] for r in doc["runs"][0]["results"]][:2] == ["continuous", "hf-cb"]
         assert "## Roofline" in md and (tmp_path / "bench-throughput.png").exists()
+
+
+def test_the_report_says_how_busy_a_kvloom_engine_was_and_at_what_batch():
+    ran = {"notes": [], "num_steps": 180, "mean_batch_size": 34.6, "engine_busy_s": 50.4, "wall_s": 60.0}
+    run = {"results": [{"spec": {"name": "kvloom-serve"}, "status": "ok", "metrics": ran},
+                       {"spec": {"name": "vllm-serve"}, "status": "ok", "metrics": {"notes": []}}]}
+    assert notes(run) == "- kvloom-serve: engine 180 steps, mean batch 34.6, in steps 50.4 s of the run's 60.0 (280 ms a step)"

@@ -179,6 +179,7 @@ def test_disconnect_mid_stream_frees_blocks_within_30s_and_serving_goes_on(serve
 
 def test_metrics_after_traffic(server, client):
     client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8)
+    time.sleep(1.0)  # replicas push their stats every 0.5 s
     text = httpx.get(f"{server[0]}/metrics").text
     values = {}
     for line in text.splitlines():
@@ -196,6 +197,9 @@ def test_metrics_after_traffic(server, client):
     assert total("kvloom:time_per_output_token_seconds_count") >= 1
     assert total("kvloom:request_queue_time_seconds_count") >= 1
     assert total("kvloom:prefix_cache_queries_total") > 0
+    steps = total("kvloom:engine_steps_total")
+    assert steps > 0 and total("kvloom:engine_step_requests_total") >= steps
+    assert total("kvloom:engine_step_seconds_total") > 0
     for gauge in ("kvloom:num_requests_running", "kvloom:num_requests_waiting", "kvloom:kv_cache_usage_perc"):
         assert any(k.startswith(gauge) for k in values), gauge
     assert 0.0 <= total("kvloom:kv_cache_usage_perc") <= 1.0
