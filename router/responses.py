@@ -9,11 +9,12 @@ alternatives), `finish_reason`, and the usage counts so far.
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvloom.router.dispatcher import Job
 from kvloom.router.errors import APIError
 
 
@@ -30,7 +31,7 @@ class Choice:
 
 
 class ReadAhead:
-    """A started choice's stream, read into a queue while the request's later choices start. Until the last
+    """A started choice's stream, read into a queue while the request's other choices start. Until the last
     choice has started nothing else reads the earlier ones, and a stream that is not read never reaches its
     end, where the dispatcher gives its replica slot back: a request with more choices than free slots
     would wait forever for a slot that its own finished choices hold. An error mid-stream reaches the
@@ -158,6 +159,35 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)  # settled, so the streams can be closed
+
+
+StartChoice = Callable[[Job], Awaitable[tuple[dict, AsyncIterator[dict]]]]
+
+
+async def start_choices(jobs: list[Job], per_prompt: int, start: StartChoice) -> list[Choice]:
+    """Start one HTTP request's jobs (its prompts times `per_prompt`), each up to its first chunk (`start`), so
+    a bad job is a 400 before any byte is sent. Prompts start at once, so the engine batches their prefills
+    in one step; a prompt's choices start in turn, each once the one before has its first token, so they
+    fork its prompt KV (see `fork_siblings`). Every started choice is read ahead while the others start.
+    If any fails, every started one is closed and the first failure (in job order) is raised."""
+    if len(jobs) == 1:
+        return [Choice(0, *await start(jobs[0]))]
+    started: list[Choice] = []
+
+    async def start_prompt(first: int) -> None:
+        for index in range(first, first + per_prompt):
+            head, stream = await start(jobs[index])
+            started.append(Choice(index, head, ReadAhead(stream), shares_prompt=jobs[index].shares_prompt))
+
+    try:
+        outcomes = await asyncio.gather(*(start_prompt(i) for i in range(0, len(jobs), per_prompt)),
+                                        return_exceptions=True)
+        if failed := [o for o in outcomes if isinstance(o, BaseException)]:
+            raise failed[0]
+    except BaseException:
+        await close(started)
+        raise
+    return sorted(started, key=lambda choice: choice.index)
 
 
 async def close(choices: list[Choice]) -> None:

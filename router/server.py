@@ -35,8 +35,8 @@ from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, UnsupportedFieldError, not_unicode_field)
 from kvloom.router.replica_table import ReplicaTable
-from kvloom.router.responses import (Choice, LogprobsFormat, ReadAhead, close, collect_response, joined,
-                                     most_likely, stream_response)
+from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
+                                     stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
 from kvloom.router.tokenizer import load_router_tokenizer
 from kvloom.router.vtc import VirtualCounters
@@ -87,7 +87,7 @@ def _draining() -> APIError:
 
 
 def fork_siblings(jobs: list[Job], per_prompt: int) -> list[Job]:
-    """The choices of one prompt (each `per_prompt` consecutive jobs) share its KV: `_start_all` starts choice
+    """The choices of one prompt (each `per_prompt` consecutive jobs) share its KV: `start_choices` starts choice
     j once choice j-1 has its first token, and the replica holding the prompt's blocks gets it (the router
     sends a prompt where its blocks are), so choice j forks choice 0's prompt copy-on-write (full blocks
     shared, the partial last one copied) and computes only the prompt's last token. Elsewhere, or once
@@ -251,23 +251,6 @@ class Router:
             raise APIError(400, first["error"]["message"], first["error"].get("param"), "invalid_value")
         return first, stream
 
-    async def _start_all(self, jobs: list[Job]) -> list[Choice]:
-        """Start the jobs of one HTTP request (its prompts times n) one after the other, each up to its first
-        chunk: a prompt's later choices fork the first one's prompt KV (`fork_siblings`), and a bad job is a
-        400 before any byte is sent. The engine still batches them: a job waits only for the one before it
-        to reach its first token, and each started choice is read ahead meanwhile (`ReadAhead`), so one that
-        finishes frees its slot for the next. If one fails, the ones started are closed."""
-        choices: list[Choice] = []
-        try:
-            for index, job in enumerate(jobs):
-                if choices:
-                    choices[-1].stream = ReadAhead(choices[-1].stream)
-                choices.append(Choice(index, *await self._start(job), shares_prompt=job.shares_prompt))
-        except BaseException:
-            await close(choices)
-            raise
-        return choices
-
     # ---- endpoints --------------------------------------------------------------------------
     @api.get("/health")
     async def health(self):
@@ -323,9 +306,9 @@ class Router:
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
             ranked = per_prompt > body.n
             token_logprobs = body.logprobs if not ranked else body.logprobs or 0  # ranking reads the chosen ones
-            choices = await self._start_all(fork_siblings([self._job(
+            choices = await start_choices(fork_siblings([self._job(
                 tenant, body, ids, body.max_tokens or 16, token_logprobs, sibling=i % per_prompt)
-                for i, ids in enumerate(prompts)], per_prompt))
+                for i, ids in enumerate(prompts)], per_prompt), per_prompt, self._start)
         except APIError as exc:
             return exc.response()
         if body.echo:
@@ -356,9 +339,9 @@ class Router:
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
             token_ids = self._chat_tokens(body.conversation())
             top_n = (body.top_logprobs or 0) if body.logprobs else None
-            choices = await self._start_all(fork_siblings([self._job(
+            choices = await start_choices(fork_siblings([self._job(
                 tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
-                for j in range(body.n)], body.n))
+                for j in range(body.n)], body.n), body.n, self._start)
         except APIError as exc:
             return exc.response()
         logprobs = LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None

@@ -18,7 +18,7 @@ from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.replica_table import ReplicaTable
-from kvloom.router.responses import ReadAhead
+from kvloom.router.responses import ReadAhead, start_choices
 
 
 def stats(replica_id: str, max_num_seqs: int = 2, cached=()) -> dict:
@@ -220,6 +220,58 @@ async def test_read_ahead_passes_errors_on_and_closing_it_stops_the_stream():
     assert (await anext(ahead))["token_ids"] == [0]
     await ahead.aclose()
     assert endless.cancelled and dispatcher.active == 0 and table.replicas["a"].inflight == 0
+
+
+def choice_jobs(prompts: int, n: int) -> list[Job]:
+    """Job `p{i}c{j}` is prompt i's choice j; later choices fork the first, as the router sends them."""
+    return [Job(f"p{i}c{j}", {"fork_of": f"p{i}c0"} if j else {}, []) for i in range(prompts) for j in range(n)]
+
+
+async def test_a_requests_prompts_start_together_and_a_prompts_choices_in_turn():
+    """Three prompts, two choices each: every prompt's first choice is sent before any first token comes back
+    (their prefills share engine steps); a prompt's second choice only once its first one has a token."""
+    sent, first_token = [], {}
+
+    async def start(job):
+        sent.append(job.request_id)
+        await first_token.setdefault(job.request_id, asyncio.Event()).wait()
+        return chunk([1]), ScriptedResponse([chunk([2], "length")], fail_after=None).__aiter__()
+
+    starting = asyncio.ensure_future(start_choices(choice_jobs(3, 2), 2, start))
+    await asyncio.sleep(0.05)
+    assert sent == ["p0c0", "p1c0", "p2c0"]
+    first_token["p1c0"].set()
+    await asyncio.sleep(0.05)
+    assert sent[3:] == ["p1c1"]
+    for prompt in (0, 2):
+        first_token[f"p{prompt}c0"].set()
+    await asyncio.sleep(0.05)
+    for event in first_token.values():
+        event.set()
+    choices = await asyncio.wait_for(starting, 5)
+    assert [(c.index, c.shares_prompt) for c in choices] == [(i, bool(i % 2)) for i in range(6)]
+    assert [[c["token_ids"] async for c in choice.stream] for choice in choices] == [[[2]]] * 6
+
+
+async def test_a_prompt_that_fails_to_start_fails_the_request_and_closes_every_started_choice():
+    closed = []
+
+    async def start(job):
+        if job.request_id == "p1c0":
+            raise APIError(400, "token id 99999 outside the vocabulary", "prompt")
+
+        async def endless():
+            try:
+                while True:
+                    yield chunk([1])
+                    await asyncio.sleep(0.01)
+            finally:
+                closed.append(job.request_id)
+        return chunk([1]), endless()
+
+    with pytest.raises(APIError, match="outside the vocabulary"):
+        await start_choices(choice_jobs(3, 1), 1, start)
+    assert sorted(closed) == ["p0c0", "p2c0"]
 
 
 def scripted_replica_handle(items):
