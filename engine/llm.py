@@ -3,6 +3,7 @@
 from tqdm import tqdm
 
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.sampling import SamplingParams
@@ -16,15 +17,22 @@ class LLM:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Run every prompt as one continuous batch; outputs come back in prompt order."""
+        """Run every prompt as one continuous batch; outputs come back in prompt order. One prompt (a string or
+        a list of token ids) is a batch of one, as vLLM takes it. Every prompt is checked before any is queued,
+        so a bad one raises with the engine as it was."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [f"offline-{i}" for i in range(len(prompts))]
-        for request_id, prompt, p in zip(ids, prompts, params_list):
-            self.engine.add_request(request_id, prompt, p)
+        if len(params_list) != len(prompts):
+            raise InvalidRequestError("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
+        requests = [self.engine.make_request(f"offline-{i}", prompt, p)
+                    for i, (prompt, p) in enumerate(zip(prompts, params_list))]
+        for request in requests:
+            self.engine.add_prepared(request)
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(prompts), disable=not use_tqdm, desc="generating") as bar:
             while self.engine.has_unfinished():
@@ -32,10 +40,13 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-        return [finished[i] for i in ids]
+        return [finished[r.request_id] for r in requests]
 
     def chat(
-        self, conversations: list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False
+        self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False
     ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several, as vLLM takes them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
         prompts = [self.engine.apply_chat_template(messages) for messages in conversations]
         return self.generate(prompts, params, use_tqdm)

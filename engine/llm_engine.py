@@ -57,6 +57,19 @@ class EngineStats:
     padding_tokens: int
 
 
+def check_unicode(field: str, value) -> None:
+    """Text the tokenizer can encode: a lone surrogate (from a JSON escape or a bad decode) makes it raise a
+    TypeError that names nothing."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(field, f"is not valid Unicode: {exc.reason} at character {exc.start}") from None
+    elif isinstance(value, dict | list | tuple):
+        for item in value.values() if isinstance(value, dict) else value:
+            check_unicode(field, item)
+
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
@@ -200,10 +213,12 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
+        check_unicode("messages", messages)
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                        return_dict=False))
 
     def encode(self, prompt: str) -> list[int]:
+        check_unicode("prompt", prompt)
         return self.tokenizer.encode(prompt)
 
     def make_request(
