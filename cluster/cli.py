@@ -36,6 +36,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "local-cpu
 def _connect(address: str | None) -> None:
     import ray
 
+    from kvloom.cluster.ray_auth import use_token_for_address
+
+    use_token_for_address(address)
     ray.init(address=address, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
 
 
@@ -55,13 +58,14 @@ def _status(args: argparse.Namespace) -> int:
     replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
     print(f"{len(replicas)} replica(s)")
     header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'tp':>3} {'threads':>7} {'running':>7} {'waiting':>7} "
-              f"{'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7}")
+              f"{'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7} {'steps':>8} {'batch':>5}")
     print(header)
     for r in replicas:
         hit = r["prefix_cache_hits"] / r["prefix_cache_queries"] if r["prefix_cache_queries"] else 0.0
+        batch = r["engine_step_requests"] / r["engine_steps"] if r["engine_steps"] else 0.0  # mean since start
         print(f"{r['replica_id']:<10} {r['device']:<7} {r['dtype']:<9} {r['tensor_parallel_size']:>3} "
               f"{r['torch_threads']:>7} {r['num_running']:>7} {r['num_waiting']:>7} {r['inflight']:>8} "
-              f"{r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7}")
+              f"{r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7} {r['engine_steps']:>8} {batch:>5.1f}")
         for rank in r["ranks"]:
             print("  " + describe_rank(rank, r["ranks"]))
     return 0

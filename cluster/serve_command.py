@@ -94,6 +94,7 @@ def serve_main(args: argparse.Namespace) -> int:
     from ray import serve
 
     from kvloom.cluster.app import ROUTER_NAME, build_app, expected_replicas
+    from kvloom.cluster.ray_auth import use_token_for_address
 
     encoding = "JSON" if args.log_format == "json" else "TEXT"
     os.environ[LOG_FORMAT_ENV] = args.log_format  # for `say`, and the processes of a cluster started here
@@ -101,6 +102,7 @@ def serve_main(args: argparse.Namespace) -> int:
         sys.stdout, sys.stderr = JSONConsole(sys.stdout), JSONConsole(sys.stderr)
     logging.getLogger("ray.serve").setLevel(args.log_level)  # this process's Serve client lines too
     serve_logger_as_json()
+    use_token_for_address(args.address)
     ray.init(address=args.address, include_dashboard=False, logging_level=args.log_level,
              logging_config=ray.LoggingConfig(encoding=encoding, log_level=args.log_level) if encoding == "JSON"
              else None)
