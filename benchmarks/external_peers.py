@@ -168,8 +168,36 @@ def _max_model_len(workload: Workload) -> int:
     return max(len(r.prompt) + r.max_tokens for r in workload.requests)
 
 
+@dataclass
+class EngineCounters:
+    """kvloom serve's engine counters over all replicas, from its /metrics (`kvloom:engine_*`)."""
+
+    steps: float = 0.0
+    requests: float = 0.0  # computed, summed over steps
+    seconds: float = 0.0  # spent in steps
+
+    @classmethod
+    def read(cls, base: str) -> "EngineCounters":
+        return cls.parse(httpx.get(f"{base}/metrics", timeout=10).text)
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> "EngineCounters":
+        names = {"kvloom:engine_steps_total": "steps", "kvloom:engine_step_requests_total": "requests",
+                 "kvloom:engine_step_seconds_total": "seconds"}
+        counters = cls()
+        for line in metrics_text.splitlines():
+            field = names.get(line.split("{", 1)[0].split(" ", 1)[0])
+            if field:
+                setattr(counters, field, getattr(counters, field) + float(line.rsplit(" ", 1)[1]))
+        return counters
+
+    def __sub__(self, before: "EngineCounters") -> "EngineCounters":
+        return EngineCounters(self.steps - before.steps, self.requests - before.requests,
+                              self.seconds - before.seconds)
+
+
 def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
-            elapsed: float, with_outputs: bool, engine: "EngineCounters | None" = None) -> SystemResult:
+            elapsed: float, with_outputs: bool, engine: EngineCounters | None = None) -> SystemResult:
     batch = BatchCounters(int(engine.steps), int(engine.requests)) if engine else None
     metrics = summarize(spec.name, records, wall, batch, engine_busy_s=engine.seconds if engine else None)
     metrics.peak_rss_mb = peak_mb
@@ -283,34 +311,6 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
         return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
     return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False,
                    engine=engine)
-
-
-@dataclass
-class EngineCounters:
-    """kvloom serve's engine counters over all replicas, from its /metrics (`kvloom:engine_*`)."""
-
-    steps: float = 0.0
-    requests: float = 0.0  # computed, summed over steps
-    seconds: float = 0.0  # spent in steps
-
-    @classmethod
-    def read(cls, base: str) -> "EngineCounters":
-        return cls.parse(httpx.get(f"{base}/metrics", timeout=10).text)
-
-    @classmethod
-    def parse(cls, metrics_text: str) -> "EngineCounters":
-        names = {"kvloom:engine_steps_total": "steps", "kvloom:engine_step_requests_total": "requests",
-                 "kvloom:engine_step_seconds_total": "seconds"}
-        counters = cls()
-        for line in metrics_text.splitlines():
-            field = names.get(line.split("{", 1)[0].split(" ", 1)[0])
-            if field:
-                setattr(counters, field, getattr(counters, field) + float(line.rsplit(" ", 1)[1]))
-        return counters
-
-    def __sub__(self, before: "EngineCounters") -> "EngineCounters":
-        return EngineCounters(self.steps - before.steps, self.requests - before.requests,
-                              self.seconds - before.seconds)
 
 
 def healthy(base: str) -> bool:

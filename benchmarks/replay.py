@@ -150,11 +150,9 @@ def replay(engine: LLMEngine, workload: Workload,
                     on_finish(record)
     wall = time.monotonic() - t0
     after = engine.stats()
-    steps_run = after.num_steps - before.num_steps
-    busy = round(after.mean_batch_size * after.num_steps - before.mean_batch_size * before.num_steps)
     queries = after.prefix_cache_queries - before.prefix_cache_queries
     counters = BatchCounters(
-        num_steps=steps_run, busy_slot_steps=busy,
+        num_steps=after.num_steps - before.num_steps, busy_slot_steps=after.batch_slots - before.batch_slots,
         idle_slot_steps=after.idle_slot_steps - before.idle_slot_steps,
         padding_tokens=after.padding_tokens - before.padding_tokens,
         num_prompt_tokens=sum(r.num_prompt_tokens - r.num_cached_tokens for r in records),

@@ -51,10 +51,14 @@ class EngineStats:
     prefix_cache_hits: int
     num_preemptions: int
     num_steps: int
-    mean_batch_size: float
+    batch_slots: int  # requests computed, summed over steps
     step_seconds: float  # wall time in steps that ran a batch: over a span's wall time, how busy the engine was
     idle_slot_steps: int
     padding_tokens: int
+
+    @property
+    def mean_batch_size(self) -> float:
+        return self.batch_slots / self.num_steps if self.num_steps else 0.0
 
 
 def check_unicode(field: str, value) -> None:
@@ -461,7 +465,7 @@ class LLMEngine:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_steps=counters.num_steps,
-            mean_batch_size=counters.batch_slots / counters.num_steps if counters.num_steps else 0.0,
+            batch_slots=counters.batch_slots,
             step_seconds=self.step_seconds,
             idle_slot_steps=counters.idle_slot_steps,
             padding_tokens=self.scheduler.batching.padding_tokens,

@@ -142,7 +142,7 @@ class EngineReplica:
             "prefix_cache_hits": s.prefix_cache_hits,
             "num_preemptions": s.num_preemptions,
             "engine_steps": s.num_steps,
-            "engine_step_requests": round(s.mean_batch_size * s.num_steps),
+            "engine_step_requests": s.batch_slots,
             "engine_step_seconds": s.step_seconds,
             "spec_decode": dataclasses.asdict(engine.spec_decode_stats) if engine.spec_decode_stats else None,
             "cached_prefix_hashes": engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
