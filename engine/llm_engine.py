@@ -30,6 +30,7 @@ from kvloom.engine.speculative import SpecDecodeStats, build_speculator
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tp_runner import start_tensor_parallel
 from kvloom.engine.tp_shards import plan_shards
+from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype, host_isa
 
@@ -62,16 +63,10 @@ class EngineStats:
 
 
 def check_unicode(field: str, value) -> None:
-    """Text the tokenizer can encode: a lone surrogate (from a JSON escape or a bad decode) makes it raise a
-    TypeError that names nothing."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise InvalidRequestError(field, f"is not valid Unicode: {exc.reason} at character {exc.start}") from None
-    elif isinstance(value, dict | list | tuple):
-        for item in value.values() if isinstance(value, dict) else value:
-            check_unicode(field, item)
+    """Text the tokenizer can encode (see engine/unicode_text.py), else an error naming `field`."""
+    if (where := not_unicode_field(value)) is not None:
+        raise InvalidRequestError(field, "is not valid Unicode text (a lone UTF-16 surrogate"
+                                         f"{f' at {where}' if where else ''})")
 
 
 def resolve_device(requested: str) -> torch.device:

@@ -37,29 +37,6 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in a raw body: where such strings can come from
 
 
-def _is_unicode(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def not_unicode_field(body: Any, path: str = "") -> str | None:
-    """The first field (dotted path; its parent's, or "body", for a field name) holding a string that is not
-    valid Unicode: JSON may escape a lone UTF-16 surrogate (`"\\ud83d"`), which Python decodes but no
-    tokenizer or UTF-8 encoder takes, nor an error message quoting it."""
-    if isinstance(body, str):
-        return None if _is_unicode(body) else path
-    items = body.items() if isinstance(body, dict) else enumerate(body) if isinstance(body, list) else ()
-    for key, value in items:
-        if isinstance(key, str) and not _is_unicode(key):
-            return path or "body"
-        if (found := not_unicode_field(value, f"{path}.{key}" if path else str(key))) is not None:
-            return found
-    return None
-
-
 def _constraint(field: str, value: Any) -> dict[str, Any]:
     """A structured-output field's value as StructuredOutputs' arguments."""
     if field == "guided_json":

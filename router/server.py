@@ -32,8 +32,9 @@ from kvloom.router.errors import APIError, validation_error
 from kvloom.router.handles import DetachedHandle
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
+from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, UnsupportedFieldError, not_unicode_field)
+                                    TokenizeRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
                                      stream_response)
