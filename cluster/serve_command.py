@@ -86,10 +86,9 @@ def serve_main(args: argparse.Namespace) -> int:
         config = config.model_copy(update={"http": config.http.model_copy(update={"port": args.port})})
     proxy_port = config.http.port
     if args.address is None:  # our own cluster: its processes inherit this environment
-        from kvloom.cluster.ports import free_port
-
         os.environ.update(own_cluster_env(config.http.port))
-        proxy_port = free_port()
+        proxy_port = 0  # the fallback proxy binds whatever port is free when it starts: a port picked before
+        # Ray's daemons start can be taken by one of them by then (seen: "Failed to bind to address")
     import ray
     from ray import serve
 
