@@ -21,6 +21,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         from kvloom.kernels import cpu_attention as impl
 
         impl.decode_extension()  # build (once per machine) now rather than on the first request
+        impl.prefill_extension()
     elif name == "triton":
         from kvloom.kernels import triton_attention as impl
     else:

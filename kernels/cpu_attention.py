@@ -1,13 +1,15 @@
-"""CPU fast path: a C++ paged decode kernel, per-request SDPA for prefill chunks.
+"""CPU fast path: C++ paged kernels for decode rows and prompt chunks, torch fallbacks for both.
 
 Decode rows (one query token) dominate steady-state serving and are memory-bound: the C++
 kernel (cpu_decode.cpp, built once per machine with torch's JIT extension loader) reads K/V
 straight from the blocks with SIMD dot products and an online softmax, about 20x faster than
-gathering them into a padded batch for SDPA (measured at batch 64, context 256). Where the kernel
-cannot be built, for float16 queries, or for head shapes it was not compiled for, decode
-falls back to one gathered, masked SDPA call. The cache may be narrower than the model
-(`kv_cache_dtype`): the kernel widens float16/bfloat16 rows as it reads them. Prefill chunks are few per step and
-compute-heavy, so each gets its own causal SDPA call over its cached prefix.
+gathering them into a padded batch for SDPA (measured at batch 64, context 256). Prompt chunks are
+compute-bound: cpu_prefill.cpp takes every chunk of the step in one call and scores only the keys at
+or before each query (torch's CPU flash attention computes the whole square under a causal mask).
+Where a kernel cannot be built, for float16 queries, or for head shapes it was not compiled for,
+decode falls back to one gathered, masked SDPA call and each prompt chunk to its own causal SDPA
+call over its cached prefix. The cache may be narrower than the model (`kv_cache_dtype`): the
+kernels widen float16/bfloat16 rows as they read them.
 """
 
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ from kvloom.kernels.cpu_extensions import build_extension
 from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.reference import gather_kv, write_kv
 
-__all__ = ["write_kv", "paged_attention", "decode_extension"]
+__all__ = ["write_kv", "paged_attention", "decode_extension", "prefill_extension"]
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the decode kernel reads
 QUERY_DTYPES = (torch.float32, torch.bfloat16)  # its math is float32 either way
 
@@ -27,6 +29,11 @@ QUERY_DTYPES = (torch.float32, torch.bfloat16)  # its math is float32 either way
 def decode_extension():
     """The compiled decode kernel, or None where it cannot be built."""
     return build_extension("kvloom_cpu_decode")
+
+
+def prefill_extension():
+    """The compiled prompt-chunk kernel, or None where it cannot be built."""
+    return build_extension("kvloom_cpu_prefill")
 
 
 def _decode(
@@ -84,6 +91,9 @@ class _StepPlan:
     decode_lens: torch.Tensor
     decode_lens_host: list[int]
     prefills: list[tuple[int, int, int]]  # (request index, first row, query length)
+    prefill_rows: torch.Tensor  # query rows of the prompt chunks, chunk after chunk (the C++ kernel's input)
+    prefill_tables: torch.Tensor
+    prefill_seq_lens: list[int]
 
 
 def _plan(meta: AttentionMetadata) -> _StepPlan:
@@ -91,13 +101,18 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
     if plan is None:
         starts = meta.query_start_loc.tolist()
         decodes = [i for i, q_len in enumerate(meta.query_lens) if q_len == 1]
+        chunks = [i for i, q_len in enumerate(meta.query_lens) if q_len > 1]
         index = torch.tensor(decodes, dtype=torch.long)
         plan = _StepPlan(
             decode_rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long),
             decode_tables=meta.block_tables[index],
             decode_lens=meta.seq_lens[index],
             decode_lens_host=[meta.seq_lens_host[i] for i in decodes],
-            prefills=[(i, starts[i], q) for i, q in enumerate(meta.query_lens) if q > 1],
+            prefills=[(i, starts[i], meta.query_lens[i]) for i in chunks],
+            prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunks]
+                                   or [torch.empty(0, dtype=torch.long)]),
+            prefill_tables=meta.block_tables[torch.tensor(chunks, dtype=torch.long)],
+            prefill_seq_lens=[meta.seq_lens_host[i] for i in chunks],
         )
         meta.derived["cpu"] = plan
     return plan
@@ -122,8 +137,23 @@ def paged_attention(
         else:
             decoded = _decode(q, key_cache, value_cache, plan.decode_tables, plan.decode_lens_host, scale)
         out.index_copy_(0, plan.decode_rows, decoded)
-    for i, start, q_len in plan.prefills:
-        out[start : start + q_len] = _prefill(
-            query[start : start + q_len], key_cache, value_cache, meta.block_tables[i], meta.seq_lens_host[i], scale
-        )
+    if plan.prefills:
+        ext = prefill_extension() if query.dtype in QUERY_DTYPES and key_cache.dtype in CACHE_DTYPES else None
+        if ext is not None and ext.prefill_supported(query.shape[-1]):
+            _prefill_chunks(ext, query, key_cache, value_cache, plan, scale, out)
+        else:
+            for i, start, q_len in plan.prefills:
+                out[start : start + q_len] = _prefill(query[start : start + q_len], key_cache, value_cache,
+                                                      meta.block_tables[i], meta.seq_lens_host[i], scale)
     return out
+
+
+def _prefill_chunks(ext, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    plan: _StepPlan, scale: float, out: torch.Tensor) -> None:
+    """Every prompt chunk of the step through the C++ kernel: one call, its rows packed chunk after chunk."""
+    lengths = [q_len for _, _, q_len in plan.prefills]
+    starts = [sum(lengths[:n]) for n in range(len(lengths))]
+    q = query.index_select(0, plan.prefill_rows)
+    attended = ext.paged_prefill(q, key_cache, value_cache, plan.prefill_tables, starts, lengths,
+                                 plan.prefill_seq_lens, scale)
+    out.index_copy_(0, plan.prefill_rows, attended.to(out.dtype))

@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 # -fopenmp: ATen's parallel_for is an inline `omp parallel`; compiled without it, every kernel runs on one thread
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
-SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_fused": "cpu_fused.cpp"}
+SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_prefill": "cpu_prefill.cpp",
+           "kvloom_cpu_fused": "cpu_fused.cpp"}
 HERE = Path(__file__).parent
 
 
