@@ -22,7 +22,7 @@ from kvloom.kernels.metadata import AttentionMetadata
 from kvloom.kernels.reference import gather_kv, write_kv
 
 __all__ = ["write_kv", "paged_attention", "decode_extension", "prefill_extension"]
-CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the decode kernel reads
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the C++ kernels read
 QUERY_DTYPES = (torch.float32, torch.bfloat16)  # its math is float32 either way
 
 
@@ -93,6 +93,7 @@ class _StepPlan:
     prefills: list[tuple[int, int, int]]  # (request index, first row, query length)
     prefill_rows: torch.Tensor  # query rows of the prompt chunks, chunk after chunk (the C++ kernel's input)
     prefill_tables: torch.Tensor
+    prefill_lens: list[int]
     prefill_seq_lens: list[int]
 
 
@@ -112,6 +113,7 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
             prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunks]
                                    or [torch.empty(0, dtype=torch.long)]),
             prefill_tables=meta.block_tables[torch.tensor(chunks, dtype=torch.long)],
+            prefill_lens=[meta.query_lens[i] for i in chunks],
             prefill_seq_lens=[meta.seq_lens_host[i] for i in chunks],
         )
         meta.derived["cpu"] = plan
@@ -151,9 +153,7 @@ def paged_attention(
 def _prefill_chunks(ext, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     plan: _StepPlan, scale: float, out: torch.Tensor) -> None:
     """Every prompt chunk of the step through the C++ kernel: one call, its rows packed chunk after chunk."""
-    lengths = [q_len for _, _, q_len in plan.prefills]
-    starts = [sum(lengths[:n]) for n in range(len(lengths))]
     q = query.index_select(0, plan.prefill_rows)
-    attended = ext.paged_prefill(q, key_cache, value_cache, plan.prefill_tables, starts, lengths,
+    attended = ext.paged_prefill(q, key_cache, value_cache, plan.prefill_tables, plan.prefill_lens,
                                  plan.prefill_seq_lens, scale)
     out.index_copy_(0, plan.prefill_rows, attended.to(out.dtype))

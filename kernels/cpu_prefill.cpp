@@ -314,11 +314,11 @@ AttendFn pick(int64_t head_dim) {
 
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-         const at::Tensor& block_tables, const std::vector<int64_t>& starts, const std::vector<int64_t>& q_lens,
-         const std::vector<int64_t>& seq_lens, float scale, at::Tensor& out) {
+         const at::Tensor& block_tables, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& seq_lens,
+         float scale, at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2), G = H / KVH;
-  const int64_t P = static_cast<int64_t>(starts.size()), MAXB = block_tables.size(1);
+  const int64_t P = static_cast<int64_t>(q_lens.size()), MAXB = block_tables.size(1);
   constexpr bool dot_bf16 = HAS_DOT_BF16 && std::is_same_v<T, at::BFloat16>;
   const bool bf16_query = query.scalar_type() == at::kBFloat16;
   const AttendFn fn = dot_bf16 && bf16_query ? pick<at::BFloat16, dot_bf16>(D)
@@ -331,10 +331,10 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   std::vector<Prompt> prompts(P);
   std::vector<Work> work;
   const int64_t positions_per_item = std::max<int64_t>(1, TILE_ROWS / G);
-  for (int64_t i = 0; i < P; ++i) {
+  for (int64_t i = 0, start = 0; i < P; start += q_lens[i], ++i) {
     Prompt& p = prompts[i];
-    p.query = static_cast<const char*>(query.data_ptr()) + starts[i] * H * D * element;
-    p.out = out.data_ptr<float>() + starts[i] * H * D;
+    p.query = static_cast<const char*>(query.data_ptr()) + start * H * D * element;
+    p.out = out.data_ptr<float>() + start * H * D;
     p.q_len = q_lens[i];
     p.seq_len = seq_lens[i];
     p.padded = (p.seq_len + 2 * W - 1) / (2 * W) * (2 * W);
@@ -378,39 +378,42 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
 // AVX-512 EPYC) a 2048-token prompt took 53 ms against SDPA's 41, so those hosts keep SDPA.
 bool prefill_supported(int64_t head_dim) { return W == 16 && pick<float, false>(head_dim) != nullptr; }
 
-at::Tensor paged_prefill(const at::Tensor& query,         // [N, H, D] float32 or bfloat16: the step's prompt rows
+at::Tensor paged_prefill(const at::Tensor& query,         // [N, H, D] float32 or bfloat16: the step's prompt
+                                                         // rows, chunk after chunk
                          const at::Tensor& key_cache,     // [NB, BS, KVH, D] float32, float16 or bfloat16
                          const at::Tensor& value_cache,   // same dtype as key_cache
                          const at::Tensor& block_tables,  // [P, MAXB] int32, one row per chunk
-                         at::IntArrayRef starts,          // [P] each chunk's first row in query
-                         at::IntArrayRef q_lens,          // [P] its rows
+                         at::IntArrayRef q_lens,          // [P] each chunk's rows, summing to N
                          at::IntArrayRef seq_lens,        // [P] its keys, cached prefix included
                          double scale) {
   TORCH_CHECK((query.dtype() == at::kFloat || query.dtype() == at::kBFloat16) && query.is_contiguous(),
               "the query must be contiguous float32 or bfloat16");
   TORCH_CHECK(key_cache.dtype() == value_cache.dtype(), "key and value caches differ in dtype");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous());
-  TORCH_CHECK(starts.size() == q_lens.size() && q_lens.size() == seq_lens.size() &&
-              static_cast<int64_t>(starts.size()) == block_tables.size(0), "one start, length and table per chunk");
-  for (size_t i = 0; i < starts.size(); ++i)
-    TORCH_CHECK(q_lens[i] >= 1 && q_lens[i] <= seq_lens[i] && starts[i] + q_lens[i] <= query.size(0) &&
+  TORCH_CHECK(q_lens.size() == seq_lens.size() && static_cast<int64_t>(q_lens.size()) == block_tables.size(0),
+              "one length, context and table per chunk");
+  int64_t rows = 0;
+  for (size_t i = 0; i < q_lens.size(); ++i) {
+    TORCH_CHECK(q_lens[i] >= 1 && q_lens[i] <= seq_lens[i] &&
                 (seq_lens[i] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1), "chunk ", i,
                 " out of range");
+    rows += q_lens[i];
+  }
+  TORCH_CHECK(rows == query.size(0), "the chunks' lengths sum to ", rows, ", not the query's ", query.size(0), " rows");
   at::Tensor out = at::empty(query.sizes(), query.options().dtype(at::kFloat));
-  const std::vector<int64_t> s(starts.begin(), starts.end()), q(q_lens.begin(), q_lens.end()),
-      l(seq_lens.begin(), seq_lens.end());
+  const std::vector<int64_t> q(q_lens.begin(), q_lens.end()), l(seq_lens.begin(), seq_lens.end());
   const float fscale = static_cast<float>(scale);
   switch (key_cache.scalar_type()) {
-    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, s, q, l, fscale, out); break;
-    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, s, q, l, fscale, out); break;
-    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, s, q, l, fscale, out); break;
+    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
+    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
+    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
   }
   return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, int[] starts, "
-        "int[] q_lens, int[] seq_lens, float scale) -> Tensor", &paged_prefill);
+  m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, int[] q_lens, "
+        "int[] seq_lens, float scale) -> Tensor", &paged_prefill);
   m.def("prefill_supported(int head_dim) -> bool", &prefill_supported);
 }
