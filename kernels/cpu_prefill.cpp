@@ -58,17 +58,22 @@ struct Work {
   int64_t prompt, kv_head, first_pos, num_pos;
 };
 
+// Where token t's row for kv head kvh starts in a cache [NB, BS, KVH, D], in elements.
+inline int64_t row_offset(const int32_t* table, int64_t t, int64_t BS, int64_t KVH, int64_t D, int64_t kvh) {
+  return ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + kvh) * D;
+}
+
 template <typename T>
 void widen_prompt(Prompt& p, const T* kc, const T* vc, const int32_t* table, int64_t BS, int64_t KVH, int64_t D,
                   int64_t kvh) {
   float* kt = p.keys.get() + kvh * D * p.padded;
   float* v = p.values.get() + kvh * D * p.padded;
   for (int64_t t = 0; t < p.seq_len; ++t) {
-    const int64_t slot = (static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + kvh;
+    const int64_t row = row_offset(table, t, BS, KVH, D, kvh);
     for (int64_t d = 0; d < D; d += W) {
-      const vfloat k = load(kc + slot * D + d);
+      const vfloat k = load(kc + row + d);
       for (int i = 0; i < W; ++i) kt[(d + i) * p.padded + t] = k[i];
-      store(v + t * D + d, load(vc + slot * D + d));
+      store(v + t * D + d, load(vc + row + d));
     }
   }
   for (int64_t d = 0; d < D; ++d) std::fill(kt + d * p.padded + p.seq_len, kt + (d + 1) * p.padded, 0.f);
@@ -80,12 +85,9 @@ void pair_prompt(Prompt& p, const at::BFloat16* kc, const at::BFloat16* vc, cons
                  int64_t KVH, int64_t D, int64_t kvh) {
   auto* kt = reinterpret_cast<uint32_t*>(p.keys.get()) + kvh * D * p.padded;
   auto* v = reinterpret_cast<uint32_t*>(p.values.get()) + kvh * D * p.padded;
-  auto row = [&](int64_t t) {
-    return reinterpret_cast<const uint16_t*>(vc) + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) * KVH + kvh) * D;
-  };
+  auto row = [&](int64_t t) { return reinterpret_cast<const uint16_t*>(vc) + row_offset(table, t, BS, KVH, D, kvh); };
   for (int64_t t = 0; t < p.seq_len; ++t) {
-    const auto* k_row = reinterpret_cast<const uint32_t*>(kc + ((static_cast<int64_t>(table[t / BS]) * BS + t % BS) *
-                                                                KVH + kvh) * D);
+    const auto* k_row = reinterpret_cast<const uint32_t*>(kc + row_offset(table, t, BS, KVH, D, kvh));
     for (int64_t dp = 0; dp < D / 2; ++dp) kt[dp * p.padded + t] = k_row[dp];
   }
   for (int64_t dp = 0; dp < D / 2; ++dp) std::fill(kt + dp * p.padded + p.seq_len, kt + (dp + 1) * p.padded, 0u);
@@ -104,7 +106,7 @@ void pair_prompt(Prompt& p, const at::BFloat16* kc, const at::BFloat16* vc, cons
 // scores[r, 0:keys) = q[r] . K[0:keys) for rows [0, rows) (rows a multiple of QK_ROWS, keys of 2W);
 // float32 queries come scaled
 template <int D>
-void scores_f32(const float* q, const float* kt, int64_t padded, int64_t rows, int64_t keys, float, float* s) {
+void scores_f32(const float* q, const float* kt, int64_t padded, int64_t rows, int64_t keys, float* s) {
   for (int64_t r0 = 0; r0 < rows; r0 += QK_ROWS) {
     for (int64_t k0 = 0; k0 < keys; k0 += 2 * W) {
       vfloat acc[QK_ROWS][2] = {};
@@ -286,7 +288,7 @@ void attend(const Prompt& p, const Work& w, int64_t H, int64_t G, float scale, S
   } else
 #endif
   {
-    scores_f32<D>(q, p.keys.get() + head_offset, p.padded, padded_rows, keys, scale, s);
+    scores_f32<D>(q, p.keys.get() + head_offset, p.padded, padded_rows, keys, s);
     softmax_rows(s, padded_rows, keys, buf.limits.data(), buf.denominators.data());
     values_f32<D>(s, keys, p.values.get() + head_offset, buf.limits.data(), padded_rows, buf.out.data());
   }

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
@@ -32,7 +33,6 @@ from kvloom.router.errors import APIError, validation_error
 from kvloom.router.handles import DetachedHandle
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
-from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable

@@ -131,6 +131,15 @@ def test_large_decode_batch_dealt_over_threads(threads):
         torch.set_num_threads(saved)
 
 
+def test_prompt_chunks_take_the_cpp_kernel_on_avx512_hosts(attention_path):
+    """On AVX-512 hosts the "cpp-kernels" cases above run the prefill kernel, not the SDPA fallback; AVX2 hosts
+    keep SDPA (the kernel built for 256-bit vectors was slower there)."""
+    from kvloom.kernels.host_isa import host_isa
+
+    if attention_path == "cpp-kernels":
+        assert cpu_attention.prefill_extension().prefill_supported(64) == ("avx512f" in host_isa().flags)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_many_prompt_chunks_dealt_over_threads(threads):
     """Prompt chunks of very unequal length and prefix in one step (the prefill kernel's work items are
