@@ -4,8 +4,9 @@ The transformers forward runs ~40 small torch ops per layer; at small batches th
 costs as much as the math, and at large ones the unfused elementwise chains (RMSNorm, rotary,
 SiLU-and-multiply) stream the activations through memory again and again. This decoder runs the
 same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in-place rotary
-and SiLU-and-multiply per layer, with every weight packed once for oneDNN on CPU (`PackedLinear`:
-1.5-2x MKL's GEMM at decode batch sizes).
+and SiLU-and-multiply per layer, with every weight laid out once for the CPU kernel that runs it best
+(`PackedLinear`: oneDNN's packed GEMM, 1.5-2x MKL's at decode batch sizes, or in bfloat16 on AVX512-BF16
+without AMX kvloom's own pair kernel).
 
 Under a bfloat16 model the GEMMs, the KV cache and the attention inputs are bfloat16 (AMX tiles on
 the CPUs that have them), while the residual stream, the norm weights, the rotary tables and every
@@ -14,8 +15,9 @@ would accumulate, and at 576 floats per token it costs next to nothing to keep w
 
 It reads the safetensors file directly rather than through transformers' model classes, whose import
 alone costs ~180 MB per process (see `model_config.py`). Each source weight is released as soon as it is
-packed, so nothing is held twice. An untied LM head is packed too; a head tied to the embedding table
-runs oneDNN on the table itself. A packed copy would be ~10% faster, but the lookup reads the dense
+packed, so nothing is held twice. An untied LM head is packed too; in float32 a head tied to the embedding
+table runs oneDNN on the table itself (in bfloat16 it gets a packed copy, where the faster kernels pay for
+the table's size). A packed float32 copy would be ~10% faster, but the lookup reads the dense
 table: releasing its pages does not keep them out (the kernel maps a whole page-cache folio back on
 each touch; a few thousand distinct tokens bring back nearly all of it), so the copy would cost the
 table's size.

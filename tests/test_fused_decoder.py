@@ -25,10 +25,10 @@ from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.engine.sampling import SamplingParams
-from kvloom.kernels import fused_ops
-from kvloom.kernels.host_isa import host_isa
+from kvloom.kernels import fused_ops, packed_linear
+from kvloom.kernels.host_isa import HostISA, host_isa
 from kvloom.kernels.metadata import AttentionMetadata
-from kvloom.kernels.packed_linear import PackedLinear
+from kvloom.kernels.packed_linear import Layout, PackedLinear, to_pairs
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -100,21 +100,76 @@ def test_onednn_linear_equals_f_linear(rows, with_bias, make):
     weight, x = torch.randn(96, 40), torch.randn(rows, 40)
     bias = torch.randn(96) if with_bias else None
     linear = make(weight, bias)
-    assert linear.onednn == torch.backends.mkldnn.is_available(), "float32 CPU weights run on oneDNN wherever it is built"
+    onednn = Layout.ONEDNN if make == PackedLinear.pack else Layout.SHARED
+    assert linear.layout is (onednn if torch.backends.mkldnn.is_available() else Layout.DENSE), \
+        "float32 CPU weights run on oneDNN wherever it is built"
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
+
+
+def bfloat16_layout_for(isa: HostISA) -> Layout:
+    """AMX tiles through oneDNN where the CPU has them; kvloom's pair kernel on AVX512-BF16 without AMX
+    (oneDNN is weak there below a few hundred rows); dense where bfloat16 would be emulated."""
+    if isa.amx_bf16:
+        return Layout.ONEDNN
+    return Layout.PAIRS if isa.avx512_bf16 else Layout.DENSE
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_bfloat16_linear_matches_a_float32_reference(rows):
-    """Packed for AMX where the CPU multiplies bfloat16, dense elsewhere; either way within bfloat16's rounding
-    of the float32 product of the same (rounded) operands."""
+    """Within bfloat16's rounding of the float32 product of the same (rounded) operands, in this host's layout."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
     linear = PackedLinear.pack(weight)
-    assert linear.packed == (torch.backends.mkldnn.is_available() and host_isa().fast_bfloat16)
+    assert linear.layout is bfloat16_layout_for(host_isa())
     out = linear(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=0.1, rtol=1e-2)
+
+
+@pytest.mark.parametrize("flags", ["avx2 avx512f amx_bf16 amx_tile avx512_bf16", "avx2 avx512f", "avx2"])
+def test_bfloat16_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags):
+    isa = HostISA("fake", frozenset(flags.split()))
+    monkeypatch.setattr(packed_linear, "host_isa", lambda: isa)
+    layout = PackedLinear.pack(torch.randn(64, 32).bfloat16()).layout
+    assert layout is (bfloat16_layout_for(isa) if torch.backends.mkldnn.is_available() else Layout.DENSE)
+
+
+PAIR_KERNEL = pytest.mark.skipif(not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
+                                 reason="the pair kernel needs AVX512-BF16")
+
+
+@PAIR_KERNEL
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 48, 49, 300])
+@pytest.mark.parametrize("outputs", [32, 100])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_pair_kernel_matches_a_float32_reference(rows, outputs, with_bias):
+    """Every row block (1-12 rows) and a last block of outputs padded past the weight's rows; the bias added
+    in float32 before the one rounding to bfloat16."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(outputs, 258).bfloat16(), torch.randn(rows, 258).bfloat16()
+    bias = torch.randn(outputs).bfloat16() if with_bias else None
+    linear = PackedLinear(to_pairs(weight), None if bias is None else bias.float(), Layout.PAIRS, outputs)
+    out = linear(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, outputs)
+    expected = x.float() @ weight.float().T + (0 if bias is None else bias.float())
+    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
+
+
+@PAIR_KERNEL
+def test_the_pair_kernel_gives_the_same_bits_on_any_thread_count():
+    """Work items go to whichever thread asks first, but each output is one thread's sum in one order."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(3072, 576).bfloat16(), torch.randn(100, 1152).bfloat16()[:, ::2]  # not contiguous
+    linear = PackedLinear(to_pairs(weight), None, Layout.PAIRS, 3072)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(linear(x))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(results[0], r) for r in results[1:])
 
 
 def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_model, greedy_reference, drive):
