@@ -48,8 +48,12 @@ void block(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2, c
   for (int64_t k = 0; k < K2; ++k) {
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK_N);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK_N + 16);
-    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * BLOCK_N), _MM_HINT_T0);  // never faults
+    // prefetches never fault past the end; into L2 further ahead: at 1 row (memory-bound) the 30 layers'
+    // weights took 7.5-8.1 ms against 8.6-9.7 with the L1 prefetch alone (~28 GB/s, near a plain sum's 32)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * BLOCK_N), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * BLOCK_N + 16), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 96) * BLOCK_N), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w + (k + 96) * BLOCK_N + 16), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
       const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
