@@ -7,6 +7,7 @@ import torch
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import mask_disallowed
+from kvloom.kernels.fused_ops import argmax_rows
 
 
 @dataclass
@@ -63,7 +64,7 @@ def sample(logits: torch.Tensor, requests: list[Request], generators: list[torch
     constrained = [row for row, r in enumerate(requests) if r.grammar is not None]
     if constrained:
         mask_disallowed(logits, [requests[row].grammar for row in constrained], constrained)
-    tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax, and 2.5x faster on CPU
+    tokens = argmax_rows(logits).tolist()
     for row, request in enumerate(requests):
         params, adjuster = request.sampling_params, request.logits_adjuster
         if params.greedy and adjuster is None:

@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <algorithm>
 #include <optional>
+#include <vector>
 
 #include "cpu_math.h"
+#include "cpu_vec.h"
 
 constexpr int64_t GRAIN = 16;  // rows per task
 
@@ -159,7 +161,61 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// Greedy sampling's pick, each row's first maximum: torch's max over a row of bfloat16 logits runs ~1.3
+// elements a nanosecond here (1.9 ms for 48 rows of SmolLM2's 49,152, a thirtieth of a decode step). One
+// vectorized pass keeps each 256-element chunk's maximum, a second finds the first chunk holding the row's,
+// and only that chunk is searched element by element. NaNs are skipped (a NaN row's pick is meaningless).
+constexpr int64_t ARGMAX_CHUNK = 256;
+
+template <typename T>
+void argmax_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* out) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> chunk_max((vocab + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* __restrict x = logits + r * stride;
+      float best = -INFINITY;
+      for (size_t c = 0; c < chunk_max.size(); ++c) {
+        const int64_t first = c * ARGMAX_CHUNK, n = std::min(ARGMAX_CHUNK, vocab - first);
+        float m = -INFINITY;
+        if (n == ARGMAX_CHUNK) {  // GCC leaves a scalar max reduction scalar: W lanes by hand
+          vfloat lanes = vfloat{} - INFINITY;
+          for (int64_t i = 0; i < ARGMAX_CHUNK; i += W) {
+            const vfloat v = load(x + first + i);
+            lanes = v > lanes ? v : lanes;  // a NaN compares false: skipped
+          }
+          for (int l = 0; l < W; ++l) m = std::max(m, lanes[l]);
+        } else {
+          for (int64_t i = 0; i < n; ++i) m = std::max(m, widen(x[first + i]));
+        }
+        chunk_max[c] = m;
+        best = std::max(best, m);
+      }
+      const int64_t c = std::find(chunk_max.begin(), chunk_max.end(), best) - chunk_max.begin();
+      int64_t i = c * ARGMAX_CHUNK;
+      while (i < vocab && widen(x[i]) != best) ++i;
+      out[r] = i < vocab ? i : 0;  // every logit NaN
+    }
+  });
+}
+
+at::Tensor argmax_rows_op(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0, "argmax_rows takes [R, V] rows");
+  auto out = at::empty({logits.size(0)}, logits.options().dtype(at::kLong));
+  switch (logits.scalar_type()) {
+    case at::kFloat:
+      argmax_rows(logits.data_ptr<float>(), logits.stride(0), logits.size(0), logits.size(1), out.data_ptr<int64_t>());
+      break;
+    case at::kBFloat16:
+      argmax_rows(logits.data_ptr<at::BFloat16>(), logits.stride(0), logits.size(0), logits.size(1),
+                  out.data_ptr<int64_t>());
+      break;
+    default: TORCH_CHECK(false, "argmax_rows: unsupported dtype ", logits.scalar_type());
+  }
+  return out;
+}
+
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("argmax_rows(Tensor logits) -> Tensor", &argmax_rows_op);
   m.def("silu_and_mul(Tensor gate_up) -> Tensor", &silu_and_mul);
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor? delta, Tensor weight, float eps, ScalarType out_dtype) -> Tensor",
         &add_rms_norm_);

@@ -68,3 +68,16 @@ def add_rms_norm_(residual: torch.Tensor, delta: torch.Tensor | None, weight: to
     if delta is not None:
         residual.add_(delta)
     return F.rms_norm(residual, (residual.shape[-1],), weight.to(residual.dtype), eps).to(out_dtype)
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum, greedy sampling's pick: [R, V] -> [R] int64.
+
+    C++ on CPU (float32 or bfloat16 rows): 48 rows of SmolLM2's 49,152 bfloat16 logits 0.1 ms against torch's
+    max at 1.7-1.9 ms, a fortieth of a decode step (measured on the AVX512-BF16 EPYC). torch's `max` elsewhere.
+    A NaN is skipped by the C++ op and picked by torch's: only a broken model produces one.
+    """
+    ext = _native(logits)
+    if ext is not None and logits.dim() == 2 and logits.stride(-1) == 1 and logits.shape[-1] > 0:
+        return ext.argmax_rows(logits)
+    return logits.max(dim=-1).indices

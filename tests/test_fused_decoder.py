@@ -92,6 +92,21 @@ def test_cpp_silu_and_mul_equals_its_torch_definition(monkeypatch, rows, dtype):
     torch.testing.assert_close(fused_ops.silu_and_mul(gate_up).float(), native.float(), atol=0.1, rtol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 300, 49152])
+def test_cpp_argmax_picks_each_rows_first_maximum_as_torch_max_does(dtype, vocab):
+    """Ties (the first wins), a maximum in the last partial chunk, rows of -inf, rows read with a stride."""
+    assert fused_ops.fused_extension() is not None, "the C++ fused ops failed to build"
+    torch.manual_seed(0)
+    wide = torch.randn(9, vocab + 5).to(dtype)
+    logits = wide[:, :vocab]  # each row strided past the next one's start
+    logits[1, vocab // 3] = logits[1, vocab - 1] = 100  # a tie
+    logits[2, vocab - 1] = 100  # in the last chunk
+    logits[3] = -float("inf")
+    native = fused_ops.argmax_rows(logits)
+    assert native.dtype == torch.int64 and torch.equal(native, logits.max(dim=-1).indices)
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("make", [PackedLinear.pack, PackedLinear.share])
