@@ -1,7 +1,9 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
-The fused C++ rotary and residual-add + RMSNorm ops equal their torch definitions; a linear run by oneDNN (packed, or
-shared with a tied embedding) equals F.linear at every row count a step can have; RoPE tables equal transformers' for
+The fused C++ rotary and residual-add + RMSNorm ops and the greedy row argmax equal their torch definitions; a linear
+run by oneDNN (packed, or shared with a tied embedding) equals F.linear at every row count a step can have, and a
+bfloat16 one takes the layout of the CPU's fastest unit (kvloom's pair kernel on AVX512-BF16 without AMX, within
+bfloat16's rounding of a float32 product, the same bits on any thread count); RoPE tables equal transformers' for
 every variant the decoder runs; architectures the decoder covers (Llama, Qwen2 with its QKV biases) run fused and match
 `generate` token for token, and load without transformers' model classes; one it does not cover (Qwen3's per-head q/k
 norms) runs the stock forward under `auto` and is refused, with the reason, under `model_impl="kvloom"`.
