@@ -73,8 +73,9 @@ def test_bfloat16_agrees_with_float32_on_the_first_tokens(smollm2_dir, smollm2_p
     """bfloat16 keeps 8 significant bits of weights and activations, so a near-tie can flip a greedy pick,
     and the rest of that output then follows another path, as vLLM's bfloat16 does against its own float32
     (37 of W1's 64 outputs identical). Measured on these 16 prompts (Xeon, AMX): 15 share their first 9
-    tokens with float32, 14 their first 14, 4 all 64; one flips its first token. The same on the AVX512-BF16
-    EPYC with the prefill kernel's bfloat16 dot products (5 share all 64). Held: 12 share 8."""
+    tokens with float32, 14 their first 14, 4 all 64; one flips its first token. On the AVX512-BF16 EPYC, with
+    kvloom's own bfloat16 GEMM and the prefill kernel's dot products: 16 share 9, 15 share 14, 5 all 64.
+    Held: 12 share 8."""
     first = SamplingParams(max_tokens=BF16_PREFIX, temperature=0)  # bfloat16 is emulated (slow) on AVX2-only CPUs
     got = tokens(drive(make_engine(smollm2_dir, dtype="bfloat16"), smollm2_prompts, first))
     agreeing = [g[:BF16_PREFIX] == e[:BF16_PREFIX] for g, e in zip(got, expected)]
