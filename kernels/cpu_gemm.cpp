@@ -85,7 +85,8 @@ constexpr auto BLOCKS = blocks_by_rows(std::make_integer_sequence<int, BLOCK_M>{
 #endif
 
 // x [M, K] bfloat16, weight [ceil(N/32), K/2, 32, 2] bfloat16, bias [N] float32 or none -> [M, N] bfloat16
-at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N, const std::optional<at::Tensor>& bias) {
+at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
+                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bfloat16");
   const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, nblocks = weight.size(0);
   TORCH_CHECK(weight.dim() == 4 && weight.size(1) == K2 && weight.size(2) == BLOCK_N && weight.size(3) == 2 &&

@@ -151,8 +151,9 @@ def test_bfloat16_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, 
     assert layout is (bfloat16_layout_for(isa) if torch.backends.mkldnn.is_available() else Layout.DENSE)
 
 
-PAIR_KERNEL = pytest.mark.skipif(not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
-                                 reason="the pair kernel needs AVX512-BF16")
+PAIR_KERNEL = pytest.mark.skipif(
+    not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
+    reason="the pair kernel needs AVX512-BF16")
 
 
 @PAIR_KERNEL

@@ -162,8 +162,10 @@ async def test_max_concurrent_requests(server):
 
 async def test_queue_wait_over_the_tenant_limit_is_503(server):
     base, _ = server
-    # two tenants share the two slots: a third is below a whole slot's share, so it cannot preempt
-    busy = [asyncio.create_task(stream(base, key, max_tokens=30)) for key in ("sk-alice", "sk-bob") * 2]
+    # two tenants share the two slots: a third is below a whole slot's share, so it cannot preempt; long
+    # enough (EOS ignored) that both slots stay taken past its 0.5 s wait however fast the engine is
+    busy = [asyncio.create_task(stream(base, key, max_tokens=96, ignore_eos=True))
+            for key in ("sk-alice", "sk-bob") * 2]
     await asyncio.sleep(0.5)
     result = await complete(base, "sk-impatient")
     assert result.status == 503 and result.body["error"]["code"] == "max_queue_wait_s"
