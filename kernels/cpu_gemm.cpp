@@ -42,11 +42,11 @@ bool pair_linear_supported() {
 }
 
 #if defined(__AVX512BF16__)
-// R rows of x (pairs of bfloat16 as 32-bit words, row stride `x_stride` words) times one weight block
-// [K2, 32 pairs] -> y[R, n_valid <= 32] bfloat16 (+ bias).
+// R rows of x (K2 pairs of bfloat16 each, as 32-bit words) times one weight block [K2, 32 pairs]
+// -> y[R, n_valid <= 32] bfloat16 (+ bias).
 template <int R>
-void block(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2, const float* bias,
-           uint16_t* y, int64_t y_stride, int64_t n_valid) {
+void block(const uint32_t* x, const uint32_t* w, int64_t K2, const float* bias, uint16_t* y, int64_t y_stride,
+           int64_t n_valid) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K2; ++k) {
@@ -60,7 +60,7 @@ void block(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2, c
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 96) * BLOCK_N + 16), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + k]));
+      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * K2 + k]));
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pair, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pair, w1);
     }
@@ -76,7 +76,7 @@ void block(const uint32_t* x, int64_t x_stride, const uint32_t* w, int64_t K2, c
   }
 }
 
-using BlockFn = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
+using BlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
 template <int... Rs>
 constexpr std::array<BlockFn, sizeof...(Rs)> blocks_by_rows(std::integer_sequence<int, Rs...>) {
   return {block<Rs + 1>...};
@@ -112,7 +112,7 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
         const int64_t n = b * BLOCK_N;
         for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
           const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-          BLOCKS[rows - 1](xp + m * K2, K2, wp + n * K2, K2, bp ? bp + n : nullptr, yp + m * N + n, N,
+          BLOCKS[rows - 1](xp + m * K2, wp + n * K2, K2, bp ? bp + n : nullptr, yp + m * N + n, N,
                            std::min(BLOCK_N, N - n));
         }
       }
