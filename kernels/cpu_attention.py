@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from kvloom.kernels.cpu_extensions import build_extension
 from kvloom.kernels.metadata import AttentionMetadata
-from kvloom.kernels.reference import gather_kv, write_kv
+from kvloom.kernels import reference
+from kvloom.kernels.reference import gather_kv
 
 __all__ = ["write_kv", "paged_attention", "decode_extension", "prefill_extension"]
 CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the C++ kernels read
@@ -34,6 +35,16 @@ def decode_extension():
 def prefill_extension():
     """The compiled prompt-chunk kernel, or None where it cannot be built."""
     return build_extension("kvloom_cpu_prefill")
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """The oracle's store, in one C++ call where K/V already have the cache's dtype (two index_copy_ otherwise)."""
+    ext = decode_extension()
+    if ext is not None and key.dtype == key_cache.dtype and value.dtype == value_cache.dtype:
+        ext.write_kv(key_cache, value_cache, key, value, slot_mapping)
+    else:
+        reference.write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
 def _decode(
@@ -128,12 +139,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     plan = _plan(meta)
+    ext = decode_extension() if query.dtype in QUERY_DTYPES and key_cache.dtype in CACHE_DTYPES else None
+    if ext is not None and not ext.paged_decode_supported(query.shape[-1], query.shape[1] // key_cache.shape[2]):
+        ext = None
+    if ext is not None and not plan.prefills:  # a decode step: the kernel reads the query rows where they are
+        return ext.paged_decode(query, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale)
     out = torch.empty_like(query)
     if plan.decode_lens_host:
         q = query.index_select(0, plan.decode_rows)
-        ext = decode_extension() if query.dtype in QUERY_DTYPES and key_cache.dtype in CACHE_DTYPES else None
-        if ext is not None and not ext.paged_decode_supported(q.shape[-1], q.shape[1] // key_cache.shape[2]):
-            ext = None
         if ext is not None:
             decoded = ext.paged_decode(q, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale)
         else:

@@ -17,14 +17,16 @@
 // The ops register as torch.ops.kvloom.* on ATen's own headers: pybind's torch/extension.h alone
 // costs half a minute to compile. Built with -fopenmp: ATen's parallel_for is inline OpenMP, and
 // without the flag it silently runs on one thread.
+// The file also holds write_kv, the scatter of a step's new K/V rows into the blocks this kernel reads.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -97,11 +99,13 @@ inline void sum_rows8(const vfloat* dots, float* out) {
 }
 
 struct Item {
-  const float* query;  // [KVH * G, D] of one request
+  const float* query;  // [KVH * G, D] of one request, or null where dot_bf16 applies
   const at::BFloat16* query_bf16;  // the same queries as the model computed them, where dot_bf16 applies
+  int64_t query_head_stride;  // elements from one query head to the next
   const int32_t* table;
   int64_t seq_len;
-  float* out;
+  float* out;  // [KVH * G, D], in the query's dtype: one of these two is set
+  at::BFloat16* out_bf16;
   int64_t first_head, last_head;  // kv heads [first_head, last_head)
 };
 
@@ -215,13 +219,15 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   const int64_t first = item.first_head * G, heads = (item.last_head - item.first_head) * G;
   auto* states = reinterpret_cast<HeadState<D>*>(scratch);
   float* scores = scratch + heads * sizeof(HeadState<D>) / sizeof(float);
-  const bool dot_bf16 = DOT_BF16<T, NV> && item.query_bf16 != nullptr;
+  const bool dot_bf16 = DOT_BF16<T, NV> && item.query == nullptr;
   const float* queries = item.query;  // [KVH * G, D], paired like the rows where they are
+  int64_t head_stride = item.query_head_stride;
   if (PAIRED<T, NV> && !dot_bf16) {
     float* paired = scores + BS + 8;
     for (int64_t h = first; h < first + heads; ++h)
-      for (int64_t d = 0; d < D; ++d) paired[h * D + paired_index(d)] = item.query[h * D + d];
+      for (int64_t d = 0; d < D; ++d) paired[h * D + paired_index(d)] = item.query[h * head_stride + d];
     queries = paired;
+    head_stride = D;
   }
   for (int64_t h = 0; h < heads; ++h) {
     std::fill_n(states[h].acc, D, 0.f);
@@ -248,11 +254,11 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       for (int g = 0; g < G; ++g) {
         const int64_t head = kvh * G + g;
         if (dot_bf16) {
-          block_scores_bf16<NV>(item.query_bf16 + head * D, reinterpret_cast<const at::BFloat16*>(keys), cache.row, n,
+          block_scores_bf16<NV>(item.query_bf16 + head * head_stride, reinterpret_cast<const at::BFloat16*>(keys), cache.row, n,
                                 scale, scores);
         } else {
           vfloat q[NV];
-          for (int j = 0; j < NV; ++j) q[j] = load(queries + head * D + j * W) * scale;
+          for (int j = 0; j < NV; ++j) q[j] = load(queries + head * head_stride + j * W) * scale;
           block_scores<T, NV>(q, keys, cache.row, n, scores);
         }
         block_update<T, NV>(states[head - first], scores, values, cache.row, n);
@@ -268,11 +274,18 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.f / states[h].denominator;
-    float* out = item.out + (first + h) * D;
-    if constexpr (PAIRED<T, NV>) {
-      for (int64_t d = 0; d < D; ++d) out[d] = states[h].acc[paired_index(d)] * inv;
+    float* acc = states[h].acc;
+    if constexpr (PAIRED<T, NV>) {  // back to natural order, through the paired queries' room (done with)
+      float* natural = scores + BS + 8;
+      for (int64_t d = 0; d < D; ++d) natural[d] = acc[paired_index(d)];
+      acc = natural;
+    }
+    if (item.out_bf16 != nullptr) {
+      at::BFloat16* out = item.out_bf16 + (first + h) * D;
+      for (int64_t d = 0; d < D; ++d) out[d] = static_cast<at::BFloat16>(acc[d] * inv);
     } else {
-      for (int j = 0; j < NV; ++j) store(out + j * W, load(states[h].acc + j * W) * inv);
+      float* out = item.out + (first + h) * D;
+      for (int j = 0; j < NV; ++j) store(out + j * W, load(acc + j * W) * inv);
     }
   }
 }
@@ -293,23 +306,35 @@ ItemFn<T> pick(int64_t head_dim, int64_t group) {
   }
 }
 
+// Whether a bfloat16 query meets a T cache through VDPBF16PS (no float32 copy of the queries needed).
 template <typename T>
-at::Tensor run(const at::Tensor& query, const at::BFloat16* query_bf16, const at::Tensor& key_cache,
-               const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+bool dot_bf16_applies(int64_t head_dim) { return DOT_BF16<T, 2> && head_dim / W % 2 == 0; }
+
+// query [B, H, D] in the model's dtype, its rows possibly strided (a view of fused QKV rows) -> [B, H, D] of
+// that dtype. Float32 queries are read in place; bfloat16 ones too where dot_bf16 applies, else widened once.
+template <typename T>
+at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+               const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
   const int64_t B = query.size(0), H = query.size(1), D = query.size(2);
+  const bool bf16_query = query.scalar_type() == at::kBFloat16;
+  const bool dot_bf16 = bf16_query && dot_bf16_applies<T>(D);
+  const at::Tensor wide = dot_bf16 || !bf16_query ? query : query.to(at::kFloat).contiguous();
+  const float* q = dot_bf16 ? nullptr : wide.data_ptr<float>();
+  const at::BFloat16* q_bf16 = dot_bf16 ? query.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t q_stride = wide.stride(0), q_head_stride = wide.stride(1);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2), G = H / KVH;
   const ItemFn<T> fn = pick<T>(D, G);
   TORCH_CHECK(fn != nullptr, "unsupported head_dim ", D, " / group ", G);
   const int64_t MAXB = block_tables.size(1);
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
-  auto out = at::empty_like(query);
-  const float* q = query.data_ptr<float>();
+  auto out = at::empty({B, H, D}, query.options());
+  float* o = bf16_query ? nullptr : out.data_ptr<float>();
+  at::BFloat16* o_bf16 = bf16_query ? out.data_ptr<at::BFloat16>() : nullptr;
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const int32_t* bt = tables.data_ptr<int32_t>();
   const int32_t* sl = lens.data_ptr<int32_t>();
-  float* o = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   // a work item is a request, or one of its kv heads when there are too few requests to keep every
   // thread busy. Threads take items one at a time from a shared counter, longest context first, so the
@@ -332,8 +357,9 @@ at::Tensor run(const at::Tensor& query, const at::BFloat16* query_bf16, const at
     for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < items;
          n = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t i = order[n], b = i / split, first = (i % split) * heads_per_item;
-      const Item item{q + b * H * D, query_bf16 ? query_bf16 + b * H * D : nullptr, bt + b * MAXB, sl[b],
-                      o + b * H * D, first, first + heads_per_item};
+      const Item item{q ? q + b * q_stride : nullptr, q_bf16 ? q_bf16 + b * q_stride : nullptr, q_head_stride,
+                      bt + b * MAXB, sl[b], o ? o + b * H * D : nullptr, o_bf16 ? o_bf16 + b * H * D : nullptr,
+                      first, first + heads_per_item};
       fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());
     }
   });
@@ -342,9 +368,39 @@ at::Tensor run(const at::Tensor& query, const at::BFloat16* query_bf16, const at
 
 }  // namespace
 
+// New tokens' K/V into their cache slots: key/value [T, KVH, D] in the cache's dtype, each token's heads
+// contiguous (rows may be strided views of fused QKV rows), slot_mapping [T] int64; a negative slot is
+// padding, skipped. One call for both caches where two index_copy_ took ~10 us each a layer at decode sizes.
+void write_kv(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
+              const at::Tensor& value, const at::Tensor& slot_mapping) {
+  const int64_t T = key.size(0), row = key_cache.size(2) * key_cache.size(3);
+  const int64_t slots = key_cache.size(0) * key_cache.size(1);
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && key_cache.sizes() == value_cache.sizes());
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == value_cache.scalar_type(),
+              "K/V must be in the cache's dtype");
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) * t->size(2) == row && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2), "K/V: [T, kv_heads, head_dim] with each token's heads contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T);
+  const auto slot = slot_mapping.contiguous();
+  const int64_t* sp = slot.data_ptr<int64_t>();
+  const size_t bytes = row * key_cache.element_size();
+  auto* kc = static_cast<char*>(key_cache.data_ptr());
+  auto* vc = static_cast<char*>(value_cache.data_ptr());
+  const auto* k = static_cast<const char*>(key.data_ptr());
+  const auto* v = static_cast<const char*>(value.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size(), v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;
+    TORCH_CHECK(sp[t] < slots, "slot ", sp[t], " is past the cache's ", slots);
+    std::memcpy(kc + sp[t] * bytes, k + t * k_stride, bytes);
+    std::memcpy(vc + sp[t] * bytes, v + t * v_stride, bytes);
+  }
+}
+
 bool paged_decode_supported(int64_t head_dim, int64_t group) { return pick<float>(head_dim, group) != nullptr; }
 
-at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32 or bfloat16, contiguous
+at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32 or bfloat16, any B/H strides
                         const at::Tensor& key_cache,     // [NB, BS, KVH, D] float32, float16 or bfloat16
                         const at::Tensor& value_cache,   // [NB, BS, KVH, D] same dtype as key_cache
                         const at::Tensor& block_tables,  // [B, MAXB] int32
@@ -352,23 +408,20 @@ at::Tensor paged_decode(const at::Tensor& query,         // [B, H, D] float32 or
                         double scale) {
   TORCH_CHECK(query.dtype() == at::kFloat || query.dtype() == at::kBFloat16, "the query must be float32 or bfloat16");
   TORCH_CHECK(key_cache.dtype() == value_cache.dtype(), "key and value caches differ in dtype");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous());
-  // a bfloat16 model's queries are widened here and its outputs rounded back: a few KB per step,
-  // and the math stays float32 either way
-  const at::Tensor q = query.to(at::kFloat);
-  const at::BFloat16* q_bf16 = query.scalar_type() == at::kBFloat16 ? query.data_ptr<at::BFloat16>() : nullptr;
-  at::Tensor out;
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "the query's head_dim must be contiguous");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous());
   switch (key_cache.scalar_type()) {
-    case at::kFloat: out = run<float>(q, nullptr, key_cache, value_cache, block_tables, seq_lens, scale); break;
-    case at::kHalf: out = run<at::Half>(q, nullptr, key_cache, value_cache, block_tables, seq_lens, scale); break;
-    case at::kBFloat16: out = run<at::BFloat16>(q, q_bf16, key_cache, value_cache, block_tables, seq_lens, scale); break;
+    case at::kFloat: return run<float>(query, key_cache, value_cache, block_tables, seq_lens, scale);
+    case at::kHalf: return run<at::Half>(query, key_cache, value_cache, block_tables, seq_lens, scale);
+    case at::kBFloat16: return run<at::BFloat16>(query, key_cache, value_cache, block_tables, seq_lens, scale);
     default: TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
   }
-  return out.to(query.scalar_type());
 }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor", &paged_decode);
   m.def("paged_decode_supported(int head_dim, int group) -> bool", &paged_decode_supported);
+  m.def("write_kv(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, Tensor slot_mapping) -> ()",
+        &write_kv);
 }

@@ -6,7 +6,7 @@
 // [ceil(N/32), K/2, 32, 2] (zero rows pad N), so that one 512-bit load holds 16 outputs' next two weights,
 // and a register block of 12 rows x 32 outputs runs VDPBF16PS over a broadcast pair of each row's inputs:
 // 24 float32 accumulators live in registers over all of K, and the weight block read once per 12 rows
-// stays in L2. Work items (48 rows x 64 outputs) go to ATen's threads from a shared counter, so a thread
+// stays in L2. Work items (48 rows x 64 or 96 outputs) go to ATen's threads from a shared counter, so a thread
 // that the OS preempts for a moment leaves its share to the other rather than holding it at a barrier.
 // Sums are float32, rounded to bfloat16 once (nearest even), as oneDNN's are.
 #include <ATen/Parallel.h>
@@ -28,10 +28,17 @@ namespace {
 constexpr int64_t BLOCK_N = 32;  // outputs per weight block: two 512-bit vectors of float32 sums
 constexpr int BLOCK_M = 12;      // rows per register block: 12 x 2 accumulators of the 32 vector registers
 constexpr int64_t ITEM_M = 4 * BLOCK_M;  // rows per work item
-// weight blocks per work item, adjacent, so the L2 prefetch runs on into the item's next block: SmolLM2's layers at
-// 16-64 rows 6-15% faster than one block an item (alternated runs); 4 measured no better than 2 and splits the
-// 18 blocks of a 576-wide output too coarsely for two threads to balance
-constexpr int64_t ITEM_BLOCKS = 2;
+// Weight blocks per work item: adjacent, so the L2 prefetch runs on into the item's next block (SmolLM2's layers
+// at 16-64 rows 6-15% faster with 2 than with 1, alternated runs; 4 no better than 2). 2 or 3, whichever deals
+// the items most evenly over the threads: a 576-wide output's 18 blocks in items of 2 give one of two threads
+// 5 items and the other 4; in items of 3, 3 each.
+int64_t item_blocks(int64_t nblocks, int64_t row_groups, int64_t threads) {
+  auto span = [&](int64_t per_item) {  // weight blocks the busiest thread runs its row groups through
+    const int64_t items = row_groups * ((nblocks + per_item - 1) / per_item);
+    return (items + threads - 1) / threads * per_item;
+  };
+  return span(3) < span(2) ? 3 : 2;
+}
 
 bool pair_linear_supported() {
 #if defined(__AVX512BF16__)
@@ -101,14 +108,15 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
   const auto* wp = reinterpret_cast<const uint32_t*>(weight.data_ptr());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t nitems = (nblocks + ITEM_BLOCKS - 1) / ITEM_BLOCKS;
-  const int64_t items = (M + ITEM_M - 1) / ITEM_M * nitems;  // row groups outer: a group's x stays in L2
+  const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = at::get_num_threads();
+  const int64_t per_item = item_blocks(nblocks, row_groups, threads), nitems = (nblocks + per_item - 1) / per_item;
+  const int64_t items = row_groups * nitems;  // row groups outer: a group's x stays in L2
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t m_begin = item / nitems * ITEM_M, m_end = std::min(M, m_begin + ITEM_M);
-      const int64_t b_end = std::min(nblocks, (item % nitems + 1) * ITEM_BLOCKS);
-      for (int64_t b = item % nitems * ITEM_BLOCKS; b < b_end; ++b) {
+      const int64_t b_end = std::min(nblocks, (item % nitems + 1) * per_item);
+      for (int64_t b = item % nitems * per_item; b < b_end; ++b) {
         const int64_t n = b * BLOCK_N;
         for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
           const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));

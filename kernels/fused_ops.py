@@ -18,7 +18,7 @@ NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _native(*tensors: torch.Tensor):
-    on_cpu = all(t.device.type == "cpu" and t.dtype in NATIVE_DTYPES for t in tensors)
+    on_cpu = all(t.is_cpu and t.dtype in NATIVE_DTYPES for t in tensors)  # ~120 calls a step: is_cpu, not .device
     return fused_extension() if on_cpu else None
 
 

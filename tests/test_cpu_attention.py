@@ -222,6 +222,38 @@ def test_bfloat16_model_matches_a_float32_reference(heads):
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new", [[1] * 6, [1, 9, 1, 1, 4, 1]], ids=["decode-step", "mixed-step"])
+def test_query_and_kv_read_where_the_fused_qkv_projection_left_them(dtype, new):
+    """The decoder hands over strided views into one [T, (H + 2 KVH) * D] QKV output, not contiguous copies:
+    the cache and the output must be exactly what contiguous inputs give, in the model's dtype."""
+    heads, kv_heads, head_dim = HEAD_SHAPES[1]
+    case = Case([3, 0, 40, 16, 20, 100], new, HEAD_SHAPES[1], 16, seed=11, cache_dtype=dtype)
+    case.query, case.new_keys, case.new_values = (t.to(dtype) for t in (case.query, case.new_keys, case.new_values))
+    want, want_keys, want_values = case.run(cpu_attention)
+    qkv = torch.cat([case.query.flatten(1), case.new_keys.flatten(1), case.new_values.flatten(1)], dim=1)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=1)
+    case.query = q.view(-1, heads, head_dim)
+    case.new_keys, case.new_values = k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+    assert not case.query.is_contiguous() and not case.new_keys.is_contiguous()
+    got, got_keys, got_values = case.run(cpu_attention)
+    assert got.dtype == dtype
+    assert torch.equal(got_keys.nan_to_num(), want_keys.nan_to_num())
+    assert torch.equal(got_values.nan_to_num(), want_values.nan_to_num())
+    assert torch.equal(got, want)
+
+
+def test_bfloat16_decode_step_matches_a_float32_reference():
+    """A pure decode step of a bfloat16 model (the kernel's query read in place, its output written in bfloat16)."""
+    case = Case([0, 5, 33, 17, 60, 200], [1] * 6, HEAD_SHAPES[1], 16, seed=12, cache_dtype=torch.bfloat16)
+    case.query, case.new_keys, case.new_values = (t.bfloat16() for t in (case.query, case.new_keys, case.new_values))
+    got, _, _ = case.run(cpu_attention)
+    assert got.dtype == torch.bfloat16
+    case.query = case.query.float()
+    want, _, _ = case.run(reference)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
 def test_nan_in_unowned_slots_is_detected():
     """Guard for this file's method: reading an unowned slot really does surface as a failure."""
     case = Case([4], [1], HEAD_SHAPES[0], 4, seed=5)  # 5 tokens: the second block has 3 unowned slots
