@@ -102,7 +102,7 @@ class _StepPlan:
     decode_lens: torch.Tensor
     decode_lens_host: list[int]
     prefills: list[tuple[int, int, int]]  # (request index, first row, query length)
-    prefill_rows: torch.Tensor  # query rows of the prompt chunks, chunk after chunk (the C++ kernel's input)
+    prefill_starts: list[int]  # each prompt chunk's first query row
     prefill_tables: torch.Tensor
     prefill_lens: list[int]
     prefill_seq_lens: list[int]
@@ -121,8 +121,7 @@ def _plan(meta: AttentionMetadata) -> _StepPlan:
             decode_lens=meta.seq_lens[index],
             decode_lens_host=[meta.seq_lens_host[i] for i in decodes],
             prefills=[(i, starts[i], meta.query_lens[i]) for i in chunks],
-            prefill_rows=torch.cat([torch.arange(starts[i], starts[i + 1]) for i in chunks]
-                                   or [torch.empty(0, dtype=torch.long)]),
+            prefill_starts=[starts[i] for i in chunks],
             prefill_tables=meta.block_tables[torch.tensor(chunks, dtype=torch.long)],
             prefill_lens=[meta.query_lens[i] for i in chunks],
             prefill_seq_lens=[meta.seq_lens_host[i] for i in chunks],
@@ -144,7 +143,7 @@ def paged_attention(
         ext = None
     if ext is not None and not plan.prefills:  # a decode step: the kernel reads the query rows where they are
         return ext.paged_decode(query, key_cache, value_cache, plan.decode_tables, plan.decode_lens, scale)
-    out = torch.empty_like(query)
+    out = torch.empty(query.shape, dtype=query.dtype)
     if plan.decode_lens_host:
         q = query.index_select(0, plan.decode_rows)
         if ext is not None:
@@ -165,8 +164,7 @@ def paged_attention(
 
 def _prefill_chunks(ext, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     plan: _StepPlan, scale: float, out: torch.Tensor) -> None:
-    """Every prompt chunk of the step through the C++ kernel: one call, its rows packed chunk after chunk."""
-    q = query.index_select(0, plan.prefill_rows)
-    attended = ext.paged_prefill(q, key_cache, value_cache, plan.prefill_tables, plan.prefill_lens,
-                                 plan.prefill_seq_lens, scale)
-    out.index_copy_(0, plan.prefill_rows, attended.to(out.dtype))
+    """Every prompt chunk of the step through the C++ kernel: one call, reading the query rows where they are
+    and writing the chunks' rows of `out`."""
+    ext.paged_prefill(query, out, key_cache, value_cache, plan.prefill_tables, plan.prefill_starts,
+                      plan.prefill_lens, plan.prefill_seq_lens, scale)

@@ -8,6 +8,8 @@
 // their own position, with register-blocked broadcast-FMA loops (a row block times two vectors of
 // keys for Q.K, a row block times a slice of the head dim for P.V) and an exact two-pass softmax over
 // a row's scores held in L2. Items go to ATen's threads from a shared counter, costliest first.
+// Query rows are read where the QKV projection left them and outputs written, in the query's dtype, to the
+// chunks' rows of the step's output (no gather, scatter or conversion pass around the call).
 // Math is float32 (float32 products, float32 sums), except for a bfloat16 model over a bfloat16 cache
 // on CPUs with AVX512-BF16: there VDPBF16PS multiplies bfloat16 pairs into float32 sums, twice the
 // products of an FMA per instruction, over K and V laid out in pairs, with the probabilities rounded
@@ -49,7 +51,8 @@ constexpr bool HAS_DOT_BF16 = false;
 // bfloat16: K [D/2, padded keys] (pairs of head dims), V [padded keys / 2, D] (pairs of keys).
 struct Prompt {
   const void* query;  // [q_len, H, D] float32 or bfloat16, the chunk's rows
-  float* out;         // [q_len, H, D]
+  int64_t row_stride, head_stride;  // elements from one row, and one head, to the next (a fused QKV output's)
+  void* out;          // [q_len, H, D] contiguous, in the query's dtype
   int64_t q_len, seq_len, padded;  // padded: keys rounded up to 2W, zero past seq_len
   std::unique_ptr<float[]> keys, values;  // per kv head: D * padded 4-byte elements each
 };
@@ -268,7 +271,7 @@ void attend(const Prompt& p, const Work& w, int64_t H, int64_t G, float scale, S
   for (int64_t r = 0; r < padded_rows; ++r) {
     const int64_t pos = w.first_pos + r / G, head = w.kv_head * G + r % G;
     buf.limits[r] = r < rows ? context + pos : 0;  // padding rows: computed, never written out
-    const Q* src = static_cast<const Q*>(p.query) + (pos * H + head) * D;
+    const Q* src = static_cast<const Q*>(p.query) + pos * p.row_stride + head * p.head_stride;
     for (int64_t d = 0; d < D; ++d) {
       if constexpr (DOT_BF16)
         q_bf16[r * D + d] = r < rows ? src[d] : Q(0.f);
@@ -295,8 +298,8 @@ void attend(const Prompt& p, const Work& w, int64_t H, int64_t G, float scale, S
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = w.first_pos + r / G, head = w.kv_head * G + r % G;
     const float inv = 1.f / buf.denominators[r];
-    float* dst = p.out + (pos * H + head) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = buf.out[r * D + d] * inv;
+    Q* dst = static_cast<Q*>(p.out) + (pos * H + head) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<Q>(buf.out[r * D + d] * inv);
   }
 }
 
@@ -317,7 +320,7 @@ AttendFn pick(int64_t head_dim) {
 template <typename T>
 void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
          const at::Tensor& block_tables, const std::vector<int64_t>& q_lens, const std::vector<int64_t>& seq_lens,
-         float scale, at::Tensor& out) {
+         const std::vector<int64_t>& q_starts, float scale, const at::Tensor& out) {
   const int64_t H = query.size(1), D = query.size(2);
   const int64_t BS = key_cache.size(1), KVH = key_cache.size(2), G = H / KVH;
   const int64_t P = static_cast<int64_t>(q_lens.size()), MAXB = block_tables.size(1);
@@ -333,10 +336,12 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   std::vector<Prompt> prompts(P);
   std::vector<Work> work;
   const int64_t positions_per_item = std::max<int64_t>(1, TILE_ROWS / G);
-  for (int64_t i = 0, start = 0; i < P; start += q_lens[i], ++i) {
+  for (int64_t i = 0; i < P; ++i) {
     Prompt& p = prompts[i];
-    p.query = static_cast<const char*>(query.data_ptr()) + start * H * D * element;
-    p.out = out.data_ptr<float>() + start * H * D;
+    p.query = static_cast<const char*>(query.data_ptr()) + q_starts[i] * query.stride(0) * element;
+    p.row_stride = query.stride(0);
+    p.head_stride = query.stride(1);
+    p.out = static_cast<char*>(out.data_ptr()) + q_starts[i] * H * D * element;
     p.q_len = q_lens[i];
     p.seq_len = seq_lens[i];
     p.padded = (p.seq_len + 2 * W - 1) / (2 * W) * (2 * W);
@@ -380,42 +385,46 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
 // AVX-512 EPYC) a 2048-token prompt took 53 ms against SDPA's 41, so those hosts keep SDPA.
 bool prefill_supported(int64_t head_dim) { return W == 16 && pick<float, false>(head_dim) != nullptr; }
 
-at::Tensor paged_prefill(const at::Tensor& query,         // [N, H, D] float32 or bfloat16: the step's prompt
-                                                         // rows, chunk after chunk
-                         const at::Tensor& key_cache,     // [NB, BS, KVH, D] float32, float16 or bfloat16
-                         const at::Tensor& value_cache,   // same dtype as key_cache
-                         const at::Tensor& block_tables,  // [P, MAXB] int32, one row per chunk
-                         at::IntArrayRef q_lens,          // [P] each chunk's rows, summing to N
-                         at::IntArrayRef seq_lens,        // [P] its keys, cached prefix included
-                         double scale) {
-  TORCH_CHECK((query.dtype() == at::kFloat || query.dtype() == at::kBFloat16) && query.is_contiguous(),
-              "the query must be contiguous float32 or bfloat16");
+// Writes each chunk's attention into `out` at the chunk's own rows; rows of `out` outside every chunk (the
+// step's decode rows) are left alone.
+void paged_prefill(const at::Tensor& query,         // [N, H, D] float32 or bfloat16: the step's query rows, any
+                                                     // row and head strides (a view of a fused QKV output)
+                   const at::Tensor& out,           // [N, H, D] contiguous, the query's dtype
+                   const at::Tensor& key_cache,     // [NB, BS, KVH, D] float32, float16 or bfloat16
+                   const at::Tensor& value_cache,   // same dtype as key_cache
+                   const at::Tensor& block_tables,  // [P, MAXB] int32, one row per chunk
+                   at::IntArrayRef q_starts,        // [P] each chunk's first row
+                   at::IntArrayRef q_lens,          // [P] its rows
+                   at::IntArrayRef seq_lens,        // [P] its keys, cached prefix included
+                   double scale) {
+  TORCH_CHECK(query.dtype() == at::kFloat || query.dtype() == at::kBFloat16, "the query must be float32 or bfloat16");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "the query's head_dim must be contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.dtype() == query.dtype() && out.is_contiguous(),
+              "out must be a contiguous tensor of the query's shape and dtype");
   TORCH_CHECK(key_cache.dtype() == value_cache.dtype(), "key and value caches differ in dtype");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous());
-  TORCH_CHECK(q_lens.size() == seq_lens.size() && static_cast<int64_t>(q_lens.size()) == block_tables.size(0),
-              "one length, context and table per chunk");
-  int64_t rows = 0;
+  TORCH_CHECK(q_starts.size() == q_lens.size() && q_lens.size() == seq_lens.size() &&
+                  static_cast<int64_t>(q_lens.size()) == block_tables.size(0),
+              "one start, length, context and table per chunk");
   for (size_t i = 0; i < q_lens.size(); ++i) {
-    TORCH_CHECK(q_lens[i] >= 1 && q_lens[i] <= seq_lens[i] &&
-                (seq_lens[i] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1), "chunk ", i,
-                " out of range");
-    rows += q_lens[i];
+    TORCH_CHECK(q_lens[i] >= 1 && q_lens[i] <= seq_lens[i] && q_starts[i] >= 0 &&
+                    q_starts[i] + q_lens[i] <= query.size(0) &&
+                    (seq_lens[i] + key_cache.size(1) - 1) / key_cache.size(1) <= block_tables.size(1),
+                "chunk ", i, " out of range");
   }
-  TORCH_CHECK(rows == query.size(0), "the chunks' lengths sum to ", rows, ", not the query's ", query.size(0), " rows");
-  at::Tensor out = at::empty(query.sizes(), query.options().dtype(at::kFloat));
-  const std::vector<int64_t> q(q_lens.begin(), q_lens.end()), l(seq_lens.begin(), seq_lens.end());
+  const std::vector<int64_t> st(q_starts.begin(), q_starts.end()), q(q_lens.begin(), q_lens.end()),
+      l(seq_lens.begin(), seq_lens.end());
   const float fscale = static_cast<float>(scale);
   switch (key_cache.scalar_type()) {
-    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
-    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
-    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, q, l, fscale, out); break;
+    case at::kFloat: run<float>(query, key_cache, value_cache, block_tables, q, l, st, fscale, out); break;
+    case at::kHalf: run<at::Half>(query, key_cache, value_cache, block_tables, q, l, st, fscale, out); break;
+    case at::kBFloat16: run<at::BFloat16>(query, key_cache, value_cache, block_tables, q, l, st, fscale, out); break;
     default: TORCH_CHECK(false, "unsupported cache dtype ", key_cache.scalar_type());
   }
-  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, int[] q_lens, "
-        "int[] seq_lens, float scale) -> Tensor", &paged_prefill);
+  m.def("paged_prefill(Tensor query, Tensor(a!) out, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "int[] q_starts, int[] q_lens, int[] seq_lens, float scale) -> ()", &paged_prefill);
   m.def("prefill_supported(int head_dim) -> bool", &prefill_supported);
 }
