@@ -23,13 +23,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_deal.h"
 #include "cpu_math.h"
 #include "cpu_vec.h"
 
@@ -337,32 +337,26 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   const int32_t* sl = lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
   // a work item is a request, or one of its kv heads when there are too few requests to keep every
-  // thread busy. Threads take items one at a time from a shared counter, longest context first, so the
-  // last items to finish are short ones; and a thread the OS preempts (a serving host runs its HTTP
-  // server, router and client on the same cores) holds up only the item it has, where a fixed split
-  // would make every other thread wait at the end of the call for its whole share.
+  // thread busy; dealt longest context first
   const int64_t threads = at::get_num_threads();
   const int64_t split = B >= 4 * threads ? 1 : KVH;
   const int64_t items = B * split;
   std::vector<int64_t> order(items);
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sl[a / split] > sl[b / split]; });
-  std::atomic<int64_t> next{0};
   const int64_t heads_per_item = KVH / split;
   // per thread: the heads' softmax states, one block's scores, and paired queries (all H of them,
   // indexed by head)
   const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 + H * D;
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(scratch_floats);
-    for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < items;
-         n = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t i = order[n], b = i / split, first = (i % split) * heads_per_item;
-      const Item item{q ? q + b * q_stride : nullptr, q_bf16 ? q_bf16 + b * q_stride : nullptr, q_head_stride,
-                      bt + b * MAXB, sl[b], o ? o + b * H * D : nullptr, o_bf16 ? o_bf16 + b * H * D : nullptr,
-                      first, first + heads_per_item};
-      fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());
-    }
-  });
+  deal_items(
+      items, [&] { return std::vector<float>(scratch_floats); },
+      [&](int64_t n, std::vector<float>& scratch) {
+        const int64_t i = order[n], b = i / split, first = (i % split) * heads_per_item;
+        const Item item{q ? q + b * q_stride : nullptr, q_bf16 ? q_bf16 + b * q_stride : nullptr, q_head_stride,
+                        bt + b * MAXB, sl[b], o ? o + b * H * D : nullptr, o_bf16 ? o_bf16 + b * H * D : nullptr,
+                        first, first + heads_per_item};
+        fn(item, Cache<T>{kc, vc, BS, KVH * D}, static_cast<int>(G), fscale, scratch.data());
+      });
   return out;
 }
 

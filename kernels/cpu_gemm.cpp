@@ -15,10 +15,11 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <optional>
 #include <utility>
+
+#include "cpu_deal.h"
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -111,18 +112,15 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
   const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = at::get_num_threads();
   const int64_t per_item = item_blocks(nblocks, row_groups, threads), nitems = (nblocks + per_item - 1) / per_item;
   const int64_t items = row_groups * nitems;  // row groups outer: a group's x stays in L2
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t item; (item = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
-      const int64_t m_begin = item / nitems * ITEM_M, m_end = std::min(M, m_begin + ITEM_M);
-      const int64_t b_end = std::min(nblocks, (item % nitems + 1) * per_item);
-      for (int64_t b = item % nitems * per_item; b < b_end; ++b) {
-        const int64_t n = b * BLOCK_N;
-        for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
-          const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-          BLOCKS[rows - 1](xp + m * K2, wp + n * K2, K2, bp ? bp + n : nullptr, yp + m * N + n, N,
-                           std::min(BLOCK_N, N - n));
-        }
+  deal_items(items, [] { return 0; }, [&](int64_t item, int) {
+    const int64_t m_begin = item / nitems * ITEM_M, m_end = std::min(M, m_begin + ITEM_M);
+    const int64_t b_end = std::min(nblocks, (item % nitems + 1) * per_item);
+    for (int64_t b = item % nitems * per_item; b < b_end; ++b) {
+      const int64_t n = b * BLOCK_N;
+      for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
+        const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
+        BLOCKS[rows - 1](xp + m * K2, wp + n * K2, K2, bp ? bp + n : nullptr, yp + m * N + n, N,
+                         std::min(BLOCK_N, N - n));
       }
     }
   });

@@ -23,13 +23,13 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
+#include "cpu_deal.h"
 #include "cpu_math.h"
 #include "cpu_vec.h"
 
@@ -369,14 +369,8 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   // costliest first (the keys an item reads grow with its last position), so the last to finish are cheap
   auto cost = [&](const Work& w) { return prompts[w.prompt].seq_len - prompts[w.prompt].q_len + w.first_pos; };
   std::stable_sort(work.begin(), work.end(), [&](const Work& a, const Work& b) { return cost(a) > cost(b); });
-  std::atomic<int64_t> next{0};
-  const int64_t items = static_cast<int64_t>(work.size());
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch scratch;
-    for (int64_t n = next.fetch_add(1, std::memory_order_relaxed); n < items;
-         n = next.fetch_add(1, std::memory_order_relaxed))
-      fn(prompts[work[n].prompt], work[n], H, G, scale, scratch);
-  });
+  deal_items(static_cast<int64_t>(work.size()), [] { return Scratch(); },
+             [&](int64_t n, Scratch& scratch) { fn(prompts[work[n].prompt], work[n], H, G, scale, scratch); });
 }
 
 }  // namespace
