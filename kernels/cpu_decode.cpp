@@ -254,8 +254,8 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       for (int g = 0; g < G; ++g) {
         const int64_t head = kvh * G + g;
         if (dot_bf16) {
-          block_scores_bf16<NV>(item.query_bf16 + head * head_stride, reinterpret_cast<const at::BFloat16*>(keys), cache.row, n,
-                                scale, scores);
+          block_scores_bf16<NV>(item.query_bf16 + head * head_stride, reinterpret_cast<const at::BFloat16*>(keys),
+                                cache.row, n, scale, scores);
         } else {
           vfloat q[NV];
           for (int j = 0; j < NV; ++j) q[j] = load(queries + head * head_stride + j * W) * scale;
