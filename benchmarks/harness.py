@@ -118,7 +118,9 @@ def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_di
     import torch
     from tqdm import tqdm
 
-    torch.set_num_threads(settings.threads)
+    from kvloom.kernels.item_pool import set_intra_op_threads
+
+    set_intra_op_threads(settings.threads)
     workload = Workload.load(Path(workload_path)).with_token_ids(settings.model)
     if spec.num_requests is not None:
         workload = workload.head(spec.num_requests)

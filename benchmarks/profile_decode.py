@@ -16,6 +16,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
+from kvloom.kernels.item_pool import intra_op_threads
 
 PROMPT_TOKENS = 256
 
@@ -48,7 +49,7 @@ def main() -> None:
             engine.step()
             times.append(time.perf_counter() - start)
         print(f"## {engine.dtype} decode, batch {batch}, context ~{PROMPT_TOKENS + 13}: step median "
-              f"{statistics.median(times) * 1e3:.1f} ms, best {min(times) * 1e3:.1f} ms ({torch.get_num_threads()} threads)")
+              f"{statistics.median(times) * 1e3:.1f} ms, best {min(times) * 1e3:.1f} ms ({intra_op_threads()} threads)")
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(5):
                 engine.step()

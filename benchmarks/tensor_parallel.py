@@ -23,6 +23,7 @@ import torch
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.host_isa import host_isa
+from kvloom.kernels.item_pool import intra_op_threads
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 16, 64)
@@ -91,7 +92,7 @@ def run(ranks_list: list[int], dtype: str) -> list[dict]:
     for ranks in ranks_list:
         engine = LLMEngine(dtype=dtype, max_model_len=1024, kv_cache_memory_bytes=1 << 30,
                            tensor_parallel_size=ranks)
-        threads = getattr(engine.runner, "num_threads", torch.get_num_threads())
+        threads = getattr(engine.runner, "num_threads", intra_op_threads())
         for batch in BATCHES:
             row = {"ranks": ranks, "threads_per_rank": threads, "dtype": str(engine.dtype).removeprefix("torch."),
                    **measure(engine, batch, seed=batch)}

@@ -16,8 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-import torch
-
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread
 from kvloom.engine.errors import EngineDeadError
@@ -25,6 +23,7 @@ from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
+from kvloom.kernels.item_pool import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -248,7 +247,7 @@ class AsyncLLMEngine:
         """Change the step loop's thread count. OpenMP's count is per calling thread, so it is set on the
         engine's own thread (setting it anywhere else would not reach the step loop)."""
         self.num_threads = num_threads
-        self._send(lambda engine: torch.set_num_threads(num_threads))
+        self._send(lambda engine: set_intra_op_threads(num_threads))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -305,7 +304,7 @@ class AsyncLLMEngine:
     def _run(self, config: EngineConfig) -> None:
         name_os_thread(self._thread.name)
         if self.num_threads:
-            torch.set_num_threads(self.num_threads)
+            set_intra_op_threads(self.num_threads)
         try:
             self.engine = LLMEngine(config, self._tensor_parallel_launch)
         except BaseException as exc:  # raised to the constructor's caller

@@ -38,7 +38,7 @@ from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
-from kvloom.kernels.packed_linear import PackedLinear
+from kvloom.kernels.packed_linear import Layout, PackedLinear
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
 MLP_ROWS = 512  # rows per MLP pass (see FusedDecoder._mlp)
@@ -156,6 +156,12 @@ class FusedDecoder:
             mlp_out = self.group.all_reduce(layer.down(silu_and_mul(layer.gate_up(hidden[rows]))))
             chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps, self.dtype))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+    def runs_on_own_kernels(self) -> bool:
+        """Every linear is kvloom's pair GEMM: a CPU step's heavy work is all kvloom's kernels (kernels/item_pool.py)."""
+        linears = [self.lm_head] + [linear for layer in self.layers
+                                    for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        return all(linear.layout is Layout.PAIRS for linear in linears)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab]; under tensor parallelism on rank 0 only (None on the others)."""

@@ -18,6 +18,7 @@ from kvloom.engine.sampler import SampledToken, sample
 from kvloom.engine.step_plan import StepInputs
 from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.kernels.backends import AttentionBackend
+from kvloom.kernels.item_pool import use_item_pool
 from kvloom.kernels.metadata import AttentionMetadata
 
 
@@ -39,6 +40,8 @@ class ModelRunner:
     ) -> None:
         """`config`: the model as this runner's decoder sees it (a tensor-parallel rank's KV heads only)."""
         self.decoder = decoder
+        if device.type == "cpu":
+            use_item_pool(isinstance(decoder, FusedDecoder) and decoder.runs_on_own_kernels())
         self.backend = backend
         self.block_size = block_size
         self.device = device

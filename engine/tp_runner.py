@@ -26,6 +26,7 @@ from kvloom.engine.step_plan import Op, StepInputs, control_header
 from kvloom.engine.tp_group import TensorParallelError, TensorParallelGroup, open_store
 from kvloom.engine.tp_shards import RankShard, plan_shards
 from kvloom.engine.tp_worker import WorkerSpec, held_bytes, rank_runner_args, run_worker
+from kvloom.kernels.item_pool import intra_op_threads, set_intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     torch threads.
     """
     world = config.tensor_parallel_size
-    num_threads = num_threads or max(1, torch.get_num_threads() // world)
+    num_threads = num_threads or max(1, intra_op_threads() // world)
     worker_device = worker_device or (lambda rank: local_device(device, rank))
     store = open_store(store_host, 0, is_master=True, timeout_s=config.distributed_timeout_s)
     name = uuid.uuid4().hex
@@ -181,7 +182,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
                           worker_device(rank), num_threads)
 
     workers = launch([spec(rank) for rank in range(1, world)])
-    torch.set_num_threads(num_threads)
+    set_intra_op_threads(num_threads)
     shards = plan_shards(model_config, world)
     try:
         group = TensorParallelGroup(store, name, shards, 0, device, config.distributed_timeout_s)

@@ -15,6 +15,7 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.model_files import resolve_model_dir
 from kvloom.engine.model_loader import load_shard_decoder
+from kvloom.kernels.item_pool import set_intra_op_threads
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import HEADER_LEN, Op, StepInputs
 from kvloom.engine.tp_group import TensorParallelGroup, open_store
@@ -64,7 +65,7 @@ def held_bytes(runner: ModelRunner) -> list[int]:
 
 def run_worker(spec: WorkerSpec) -> None:
     """A worker's whole life: join, load, report, then serve plans until STOP (or its group fails)."""
-    torch.set_num_threads(spec.num_threads)
+    set_intra_op_threads(spec.num_threads)
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))  # NCCL maps each rank to its current device
     store = open_store(spec.store_host, spec.store_port, is_master=False, timeout_s=spec.timeout_s)

@@ -338,7 +338,7 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   const float fscale = static_cast<float>(scale);
   // a work item is a request, or one of its kv heads when there are too few requests to keep every
   // thread busy; dealt longest context first
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = deal_threads();
   const int64_t split = B >= 4 * threads ? 1 : KVH;
   const int64_t items = B * split;
   std::vector<int64_t> order(items);

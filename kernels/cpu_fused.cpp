@@ -1,7 +1,7 @@
 // Fused elementwise ops of the CPU decoder (engine/decoder.py): each replaces a chain of torch ops
 // that would each stream the whole activation through memory once (rotary embedding as torch ops
 // is six of them: two slices, a negation, a concatenation, two multiply-adds) and, at small
-// batches, costs more in dispatch than in math. Rows are split over ATen's thread pool and the
+// batches, costs more in dispatch than in math. Rows are dealt in chunks to the threads (cpu_deal.h) and the
 // inner loops are plain float loops the compiler vectorizes.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_deal.h"
 #include "cpu_math.h"
 #include "cpu_vec.h"
 
@@ -41,7 +42,7 @@ void rotate(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
   T* base = qkv.data_ptr<T>();
   const float* cs = cos.data_ptr<float>();
   const float* sn = sin.data_ptr<float>();
-  at::parallel_for(0, T_, GRAIN, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, T_, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict c = cs + t * head_dim;
       const float* __restrict s = sn + t * head_dim;
@@ -75,7 +76,7 @@ void rotary_embedding_(const at::Tensor& qkv, const at::Tensor& cos, const at::T
 // GEMM (the output) and what comes out of one (delta) are bfloat16.
 template <typename D, typename O>
 void add_norm(float* base, const D* add, const float* __restrict w, O* normed, int64_t T, int64_t H, float eps) {
-  at::parallel_for(0, T, GRAIN, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, T, GRAIN, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* __restrict x = base + t * H;
       float squares = 0.f;
@@ -131,7 +132,7 @@ at::Tensor add_rms_norm_(const at::Tensor& residual, const std::optional<at::Ten
 // element: 3 ns an element here, most of a prefill step's elementwise time).
 template <typename T>
 void silu_mul(const T* gate_up, T* out, int64_t rows, int64_t inter) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, rows, std::max<int64_t>(1, 16384 / inter), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const T* __restrict g = gate_up + t * 2 * inter;
       const T* __restrict u = g + inter;
@@ -169,7 +170,7 @@ constexpr int64_t ARGMAX_CHUNK = 256;
 
 template <typename T>
 void argmax_rows(const T* logits, int64_t stride, int64_t rows, int64_t vocab, int64_t* out) {
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> chunk_max((vocab + ARGMAX_CHUNK - 1) / ARGMAX_CHUNK);
     for (int64_t r = begin; r < end; ++r) {
       const T* __restrict x = logits + r * stride;

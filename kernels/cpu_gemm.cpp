@@ -109,7 +109,7 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
   const auto* wp = reinterpret_cast<const uint32_t*>(weight.data_ptr());
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = at::get_num_threads();
+  const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = deal_threads();
   const int64_t per_item = item_blocks(nblocks, row_groups, threads), nitems = (nblocks + per_item - 1) / per_item;
   const int64_t items = row_groups * nitems;  // row groups outer: a group's x stays in L2
   deal_items(items, [] { return 0; }, [&](int64_t item, int) {

@@ -354,7 +354,7 @@ void run(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor&
   const T* kc = key_cache.data_ptr<T>();
   const T* vc = value_cache.data_ptr<T>();
   const bool paired = dot_bf16 && bf16_query;
-  at::parallel_for(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_chunks(0, P * KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       const int32_t* table = bt + (j / KVH) * MAXB;
       if constexpr (std::is_same_v<T, at::BFloat16>) {

@@ -27,6 +27,22 @@ def build_tiny_model():
     return build_tiny_llama
 
 
+@pytest.fixture
+def kernel_threads():
+    """`use(threads, pool)`: kvloom's kernels run on `threads` threads of kvloom's item pool (pool=True) or of
+    torch's OpenMP team; the previous setting comes back after the test."""
+    from kvloom.kernels import item_pool
+
+    saved_pool, saved_torch = item_pool.pool_threads(), torch.get_num_threads()
+
+    def use(threads: int, pool: bool) -> None:
+        item_pool.use_item_pool(pool)
+        item_pool.set_intra_op_threads(threads)
+
+    yield use
+    use(saved_pool or saved_torch, bool(saved_pool))
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from kvloom.engine.model_files import resolve_model_dir

@@ -117,18 +117,14 @@ def test_pure_decode_batch_with_ragged_context_lengths(heads, block_size):
     assert_fast_path_matches_reference(case)
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["openmp", "item-pool"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_large_decode_batch_dealt_over_threads(threads):
-    """Many decode rows of very unequal context, split over however many threads torch is given."""
+def test_large_decode_batch_dealt_over_threads(threads, pool, kernel_threads):
+    """Many decode rows of very unequal context, split over however many threads the kernels are given."""
     rng = random.Random(7)
     context = [rng.choice([1, 7, 16, 17, rng.randint(2, 300)]) for _ in range(40)]
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        case = Case([c - 1 for c in context], [1] * len(context), HEAD_SHAPES[1], 16, seed=8)
-        assert_fast_path_matches_reference(case)
-    finally:
-        torch.set_num_threads(saved)
+    kernel_threads(threads, pool)
+    assert_fast_path_matches_reference(Case([c - 1 for c in context], [1] * len(context), HEAD_SHAPES[1], 16, seed=8))
 
 
 def test_prompt_chunks_take_the_cpp_kernel_on_avx512_hosts(attention_path):
@@ -140,19 +136,16 @@ def test_prompt_chunks_take_the_cpp_kernel_on_avx512_hosts(attention_path):
         assert cpu_attention.prefill_extension().prefill_supported(64) == ("avx512f" in host_isa().flags)
 
 
+@pytest.mark.parametrize("pool", [False, True], ids=["openmp", "item-pool"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_many_prompt_chunks_dealt_over_threads(threads):
+def test_many_prompt_chunks_dealt_over_threads(threads, pool, kernel_threads):
     """Prompt chunks of very unequal length and prefix in one step (the prefill kernel's work items are
-    a few positions of one chunk each, taken costliest first), over however many threads torch is given."""
+    a few positions of one chunk each, taken costliest first), over however many threads the kernels are given."""
     rng = random.Random(11)
     cached = [rng.choice([0, 0, 3, 16, rng.randint(1, 200)]) for _ in range(12)]
     new = [rng.choice([2, 9, 33, rng.randint(2, 150)]) for _ in range(12)]
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert_fast_path_matches_reference(Case(cached, new, HEAD_SHAPES[1], 16, seed=12))
-    finally:
-        torch.set_num_threads(saved)
+    kernel_threads(threads, pool)
+    assert_fast_path_matches_reference(Case(cached, new, HEAD_SHAPES[1], 16, seed=12))
 
 
 @pytest.mark.parametrize("heads", HEAD_SHAPES)

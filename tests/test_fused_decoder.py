@@ -174,19 +174,17 @@ def test_the_pair_kernel_matches_a_float32_reference(rows, outputs, with_bias):
 
 
 @PAIR_KERNEL
-def test_the_pair_kernel_gives_the_same_bits_on_any_thread_count():
-    """Work items go to whichever thread asks first, but each output is one thread's sum in one order."""
+def test_the_pair_kernel_gives_the_same_bits_on_any_thread_count(kernel_threads):
+    """Work items go to whichever thread asks first, but each output is one thread's sum in one order, on
+    torch's OpenMP team or kvloom's item pool."""
     torch.manual_seed(0)
     weight, x = torch.randn(3072, 576).bfloat16(), torch.randn(100, 1152).bfloat16()[:, ::2]  # not contiguous
     linear = PackedLinear(to_pairs(weight), None, Layout.PAIRS, 3072)
-    threads = torch.get_num_threads()
-    try:
-        results = []
+    results = []
+    for pool in (False, True):
         for n in (1, 2, 3):
-            torch.set_num_threads(n)
+            kernel_threads(n, pool)
             results.append(linear(x))
-    finally:
-        torch.set_num_threads(threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 

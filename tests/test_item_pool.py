@@ -1,0 +1,92 @@
+"""kvloom's item pool (kernels/cpu_deal.h, kernels/item_pool.py): which engines run their kernels on it, and
+that a kernel gives the same bits on it as on torch's OpenMP team, from any thread, in a forked child too."""
+
+import multiprocessing
+import threading
+
+import pytest
+import torch
+
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.kernels import item_pool, packed_linear
+from kvloom.kernels.host_isa import host_isa
+from kvloom.kernels.packed_linear import Layout, PackedLinear, to_pairs
+
+PAIR_KERNEL = pytest.mark.skipif(
+    not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
+    reason="the pair kernel needs AVX512-BF16")
+
+
+def pair_linear_case(seed: int = 0, rows: int = 70) -> tuple[PackedLinear, torch.Tensor]:
+    torch.manual_seed(seed)
+    weight, x = torch.randn(1536, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    return PackedLinear(to_pairs(weight), None, Layout.PAIRS, 1536), x
+
+
+def test_the_pool_takes_torchs_threads_and_gives_them_back(kernel_threads):
+    kernel_threads(3, pool=False)
+    item_pool.use_item_pool(True)
+    assert (item_pool.pool_threads(), torch.get_num_threads(), item_pool.intra_op_threads()) == (3, 1, 3)
+    item_pool.set_intra_op_threads(2)  # e.g. a second replica started on the node
+    assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
+    item_pool.use_item_pool(False)
+    assert (item_pool.pool_threads(), torch.get_num_threads(), item_pool.intra_op_threads()) == (0, 2, 2)
+
+
+@PAIR_KERNEL
+def test_a_bfloat16_engine_on_the_pair_kernel_runs_on_the_pool_and_a_float32_one_on_openmp(
+        tiny_model_dir, kernel_threads):
+    kernel_threads(2, pool=False)
+    LLMEngine(dtype="bfloat16", model=str(tiny_model_dir), block_size=4)
+    assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
+    LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)  # oneDNN's GEMMs need torch's team
+    assert (item_pool.pool_threads(), torch.get_num_threads()) == (0, 2)
+
+
+@PAIR_KERNEL
+def test_kernels_called_from_two_threads_at_once_both_get_their_answer(kernel_threads):
+    """One call holds the pool; the other, meanwhile, runs on its own thread."""
+    cases = [pair_linear_case(seed) for seed in (1, 2)]
+    expected = [linear(x) for linear, x in cases]
+    kernel_threads(2, pool=True)
+    results: dict[tuple[int, int], torch.Tensor] = {}
+
+    def call(i: int) -> None:
+        for repeat in range(20):
+            results[i, repeat] = cases[i][0](cases[i][1])
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(result, expected[i]) for (i, _), result in results.items())
+
+
+def _child_result(queue) -> None:
+    linear, x = pair_linear_case()
+    queue.put(linear(x).float().tolist())  # plain data: the child exits before the parent reads
+
+
+@PAIR_KERNEL
+def test_a_forked_child_starts_workers_of_its_own(kernel_threads):
+    """The parent's workers do not exist in a fork: the child's first call starts its own."""
+    linear, x = pair_linear_case()
+    kernel_threads(2, pool=True)
+    expected = linear(x)  # the parent's workers are running
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_child_result, args=(queue,))
+    child.start()
+    result = queue.get(timeout=60)
+    child.join(timeout=60)
+    assert child.exitcode == 0 and result == expected.float().tolist()
+
+
+@PAIR_KERNEL
+def test_a_changed_thread_count_restarts_the_workers(kernel_threads):
+    linear, x = pair_linear_case()
+    expected = linear(x)
+    for threads in (2, 3, 1, 2):
+        kernel_threads(threads, pool=True)
+        assert torch.equal(linear(x), expected)
