@@ -54,7 +54,7 @@ class ItemPool {
     }
   }
 
-  // Runs `items` items through run(call, generation, first) on the pool's threads and this one; false
+  // Runs `items` items through runner(call, generation, first) on the pool's threads and this one; false
   // (nothing run) where the pool is off or another thread's call holds it.
   bool run(int64_t items, Runner runner, void* call) {
     if (threads() < 2 || items < 2 || items >= (int64_t{1} << 32)) return false;
