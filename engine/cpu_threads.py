@@ -12,7 +12,8 @@ the wake-up on top. `kvloom serve` on W1 over HTTP: 310 out tok/s at GOMP_SPINCO
 for every process it starts. An operator's own OMP_WAIT_POLICY (a PASSIVE among them) or GOMP_SPINCOUNT
 is kept. libgomp reads these once, when it loads: they must be in the environment
 before torch is imported (kvloom's package sets its defaults then, and replicas get them through their
-Ray runtime environment).
+Ray runtime environment). Where every linear is kvloom's own GEMM, its kernels run on a pool of their own
+instead of this team, which keeps one thread (kernels/item_pool.py).
 """
 
 import ctypes
