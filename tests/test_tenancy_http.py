@@ -178,12 +178,15 @@ async def test_a_flood_does_not_push_another_tenant_over_its_latency_goal(server
     base, _ = server
     alone = await stream(base, "sk-bob", max_tokens=16)
     flood = [asyncio.create_task(stream(base, "sk-alice", max_tokens=16)) for _ in range(10)]
-    await asyncio.sleep(1.0)  # two running, eight queued
+    await asyncio.sleep(0.3)  # the flood is in: two running, the rest queued
+    sent = time.monotonic()
     bob = await stream(base, "sk-bob", max_tokens=16)
     alice = await asyncio.gather(*flood)
     assert all(r.status == 200 for r in alice) and bob.status == 200
-    finished_before_bob = sum(r.finished_at < bob.finished_at for r in alice)
-    assert finished_before_bob <= 4, finished_before_bob  # FCFS would put bob behind all ten
+    ahead = [r for r in alice if r.finished_at > sent]  # still running or queued when bob came
+    assert len(ahead) >= 6, len(ahead)  # a fast engine may have finished a few: the rest is the test
+    overtook = sum(r.finished_at < bob.finished_at for r in ahead)
+    assert overtook <= 3, overtook  # the two running and at most one beside bob; FCFS: every one of them
     assert bob.ttft <= 2.0 * alone.e2e + 1.0, (bob.ttft, alone.e2e)
 
 
