@@ -2,6 +2,7 @@
 that a kernel gives the same bits on it as on torch's OpenMP team, from any thread, in a forked child too."""
 
 import multiprocessing
+import os
 import threading
 
 import pytest
@@ -64,8 +65,15 @@ def test_kernels_called_from_two_threads_at_once_both_get_their_answer(kernel_th
 
 
 def _child_result(queue) -> None:
+    """In a forked child: a call (it must start a worker: the parent's do not exist here), then another thread
+    count (stopping the child's workers must not wait for the parent's) and a call on it."""
     linear, x = pair_linear_case()
-    queue.put(linear(x).float().tolist())  # plain data: the child exits before the parent reads
+    threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
+    before = threads()
+    first = linear(x)
+    started = threads() - before
+    item_pool.set_intra_op_threads(3)
+    queue.put((started, first.float().tolist(), linear(x).float().tolist()))  # plain data: the child exits first
 
 
 @PAIR_KERNEL
@@ -78,9 +86,10 @@ def test_a_forked_child_starts_workers_of_its_own(kernel_threads):
     queue = context.Queue()
     child = context.Process(target=_child_result, args=(queue,))
     child.start()
-    result = queue.get(timeout=60)
+    started, first, second = queue.get(timeout=60)
     child.join(timeout=60)
-    assert child.exitcode == 0 and result == expected.float().tolist()
+    assert child.exitcode == 0 and started == 1
+    assert first == second == expected.float().tolist()
 
 
 @PAIR_KERNEL
