@@ -28,6 +28,7 @@ from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, r
 from kvloom.benchmarks.http_replay import replay_http
 from kvloom.benchmarks.metrics import BatchCounters, RequestRecord, summarize
 from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
+from kvloom.benchmarks.serving_cpu import cpu_by_role, thread_cpu_seconds
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
 from kvloom.engine.model_files import resolve_model_dir
@@ -302,15 +303,23 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
         with running_server(spec, settings, _max_model_len(workload), out_dir / "log.txt") as server:
             loaded_mb = tree_rss_mb(server.process.pid)
             left = max(limit_s - (time.monotonic() - start), 60.0)
-            engine = EngineCounters.read(server.base) if spec.kind == "kvloom-serve" else None
+            ours = spec.kind == "kvloom-serve"
+            engine = EngineCounters.read(server.base) if ours else None
+            threads, client = thread_cpu_seconds() if ours else None, os.times()
             records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left))
-            if engine is not None:
+            if ours:
+                done = os.times()
+                cpu = cpu_by_role(threads, thread_cpu_seconds(), os.getpid(),
+                                  done.user + done.system - client.user - client.system)
                 time.sleep(1.5)  # replicas push stats every 0.5 s: the run's last steps reach the router
                 engine = EngineCounters.read(server.base) - engine
     except ServerUnavailable as exc:
         return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
-    return _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False,
-                   engine=engine)
+    result = _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False,
+                     engine=engine)
+    if ours:
+        result.metrics.cpu_by_role = cpu
+    return result
 
 
 def healthy(base: str) -> bool:

@@ -73,7 +73,7 @@ def request_rows(records: list[RequestRecord]) -> list[dict]:
 
 
 def _run_kvloom(spec: SystemSpec, workload: Workload, settings: BenchSettings, on_record):
-    from kvloom.benchmarks.replay import replay, strategy_config, warm_up
+    from kvloom.benchmarks.replay import replay, strategy_config
     from kvloom.engine.llm_engine import LLMEngine
 
     shared = {"model": settings.model, "device": "cpu", "max_num_seqs": settings.max_num_seqs,
@@ -81,7 +81,7 @@ def _run_kvloom(spec: SystemSpec, workload: Workload, settings: BenchSettings, o
               "kv_cache_memory_bytes": settings.kv_cache_memory_bytes,
               "enable_prefix_caching": settings.enable_prefix_caching, "kv_cache_dtype": settings.kv_cache_dtype}
     engine = LLMEngine(strategy_config(spec.strategy, workload, **{**shared, **spec.engine}))
-    warm_up(engine)
+    engine.warm_up()
     loaded = _peak_rss_mb()
     cpu = time.process_time()
     result = replay(engine, workload, on_record)

@@ -125,6 +125,7 @@ class RunMetrics:
     cpu_s: float | None = None  # process CPU time during the run: less sensitive to neighbours than wall time
     load_avg: float | None = None  # the machine's 1-minute load average at the end of the run
     spec_decode: dict | None = None  # speculative decoding's counters (vLLM's names), when it ran
+    cpu_by_role: dict[str, float] | None = None  # `kvloom serve`: every process's CPU seconds in the run, by role
     notes: list[str] = field(default_factory=list)
 
     @classmethod

@@ -93,17 +93,6 @@ class ReplayResult:
         return sum(s.forward_s for s in self.steps) / total if total else 0.0
 
 
-def warm_up(engine: LLMEngine) -> None:
-    """One short request, so lazy initialization is not charged to the first measured step.
-
-    Its prompt (one repeated id) is unlike any text window, so it gives no workload a prefix-cache hit.
-    """
-    prompt = [min(1000, engine.vocab_size - 1)] * 32
-    engine.add_request("warmup", prompt, SamplingParams(max_tokens=2, temperature=0, detokenize=False))
-    while engine.has_unfinished():
-        engine.step()
-
-
 def replay(engine: LLMEngine, workload: Workload,
            on_finish: Callable[[RequestRecord], None] | None = None) -> ReplayResult:
     """Drive `engine` through `workload` in real time; greedy, EOS ignored, outputs forced to max_tokens."""

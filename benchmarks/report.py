@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvloom.benchmarks.metrics import acceptance
+from kvloom.benchmarks.serving_cpu import serving_cpu_line
 
 LATENCIES = ("ttft", "tpot", "e2e")
 COLUMNS = ("<sub>mean batch: requests computed per step; idle: slot-steps held by finished members of a batch "
@@ -114,6 +115,8 @@ def notes(run: dict) -> str:
             lines.append(f"- {r['spec']['name']}: engine {m['num_steps']} steps, mean batch {m['mean_batch_size']:.1f}, "
                          f"in steps {m['engine_busy_s']:.1f} s of the run's {m['wall_s']:.1f} "
                          f"({1000 * m['engine_busy_s'] / m['num_steps']:.0f} ms a step)")
+        if cpu := (r["metrics"] or {}).get("cpu_by_role"):
+            lines.append(f"- {r['spec']['name']}: {serving_cpu_line(cpu)}")
         if r["status"] not in ("ok",):
             lines.append(f"- {r['spec']['name']}: {r['status']}")
     for name, eq in run.get("equality", {}).items():

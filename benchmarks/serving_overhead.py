@@ -20,7 +20,6 @@ import os
 import subprocess
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
@@ -28,40 +27,13 @@ import yaml
 
 from kvloom.benchmarks.external_peers import healthy, kvloom_serve_command
 from kvloom.benchmarks.process_tree import stop_tree, wait_for
+from kvloom.benchmarks.serving_cpu import cpu_by_role, thread_cpu_seconds
 from kvloom.benchmarks.tiny_model import build_tiny_llama
 from kvloom.cluster.ports import free_port
-from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME
 from kvloom.kernels.host_isa import host_isa
 
 RESULTS = Path(__file__).resolve().parent / "results" / "serving-overhead.md"
 STREAMS = 64
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-ROLES = (("ServeReplica:kvloom:Router", "router"), ("ProxyActor", "Serve proxy"),
-         ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
-         ("dashboard", "dashboard agent"), ("log_monitor", "log monitor"),
-         ("kvloom.cluster.cli serve", "`kvloom serve` driver"))
-
-
-def thread_cpu_seconds() -> dict[tuple[int, int], tuple[str, str, float]]:
-    """Every thread's process command line, thread name and user+system CPU seconds so far."""
-    seen = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-                fields = stat.rsplit(")", 1)[1].split()
-                name = stat[stat.index("(") + 1 : stat.rindex(")")]
-                seen[int(pid), int(tid)] = (cmdline, name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-    return seen
-
-
-def role(cmdline: str, thread: str) -> str:
-    if "ServeReplica:kvloom:EngineReplica" in cmdline:
-        return f"engine replica: {'engine threads (tiny model)' if thread == ENGINE_THREAD_NAME else 'other threads'}"
-    return next((name for marker, name in ROLES if marker in cmdline), "other")
 
 
 async def stream_all(base: str, tokens: int) -> int:
@@ -102,13 +74,9 @@ def measure(tokens: int, scratch: Path) -> dict:
             wall, client_after, after = time.monotonic() - start, os.times(), thread_cpu_seconds()
         finally:
             stop_tree(server)
-    by_role = Counter()
-    for (pid, tid), (cmdline, thread, cpu) in after.items():
-        if pid != os.getpid() and (pid, tid) in before and before[pid, tid][0] == cmdline:
-            by_role[role(cmdline, thread)] += cpu - before[pid, tid][2]
-    by_role["client (this process, aiohttp)"] = (client_after.user + client_after.system
-                                                  - client_before.user - client_before.system)
-    return {"events": events, "wall_s": wall, "cpu_s": dict(by_role), "tokens": tokens}
+    client_s = client_after.user + client_after.system - client_before.user - client_before.system
+    by_role = cpu_by_role(before, after, os.getpid(), client_s)
+    return {"events": events, "wall_s": wall, "cpu_s": by_role, "tokens": tokens}
 
 
 def report(result: dict) -> str:

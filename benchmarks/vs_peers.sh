@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Regenerates benchmarks/results/vs-peers/<host>/: w1/ (W1), chat/ (chat at three arrival rates) and
-# single-stream/ (one 256-token prompt, 128 tokens out, at a time, over HTTP): kvloom against vLLM's CPU
+# Regenerates benchmarks/results/vs-peers/<host>/: w1/ (W1), chat/ (chat at three arrival rates),
+# single-stream/ (one 256-token prompt, 128 tokens out, at a time, over HTTP) and serving/ (`kvloom serve`
+# against its own offline engine on W1, three alternated pairs): kvloom against vLLM's CPU
 # build (offline `LLM` and `vllm serve`) and llama.cpp's `llama-server`, one system after the other in the
 # same run, on the same prompt ids. <host> names this CPU (e.g. intel-xeon-amx, amd-epyc-avx512bf16), so
 # each kind of host keeps its own figures. Sets the peers up first (minutes, once per machine).
@@ -17,3 +18,4 @@ out="benchmarks/results/vs-peers/$host"
   --no-roofline --budget-min 0 --out "$out/chat"
 ./dev.sh bench --workload single-stream --strategies "" --peers vllm-serve,kvloom-serve \
   --no-roofline --budget-min 0 --out "$out/single-stream"
+.venv/bin/python -m kvloom.benchmarks.serving_ratio --pairs 3 --out "$out/serving"

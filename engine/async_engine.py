@@ -307,6 +307,7 @@ class AsyncLLMEngine:
             set_intra_op_threads(self.num_threads)
         try:
             self.engine = LLMEngine(config, self._tensor_parallel_launch)
+            self.engine.warm_up()
         except BaseException as exc:  # raised to the constructor's caller
             self.dead_error = exc
             return

@@ -334,6 +334,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
+    def warm_up(self) -> None:
+        """Run one short request to its end, so that what starts lazily (the kernels' thread pool, the
+        allocator's first blocks, first-call dispatch) is not paid by the first real request. Its prompt, one
+        id repeated, is unlike any text, so it gives no later prompt a prefix-cache hit."""
+        prompt = [min(1000, self.vocab_size - 1)] * 32
+        self.add_request("kvloom-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0, detokenize=False))
+        while self.has_unfinished():
+            self.step()
+
     def release_parked(self, request_id: str) -> bool:
         """Free a hand-off's blocks: a parked prefill (sent, or given up) or a reserved decode."""
         request = self.parked.pop(request_id, None) or self.reserved.pop(request_id, None)

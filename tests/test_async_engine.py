@@ -120,3 +120,15 @@ async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engin
         outcomes += await batches.next_batch()
     assert any(isinstance(o, FailedRequest) and "already running" in str(o.error) for o in outcomes)
     async_engine.check_health()
+
+
+def test_an_async_engine_warms_up_before_it_takes_requests(tiny_model_dir):
+    """The first user request does not pay for what starts lazily: one short request ran at start (a fresh
+    engine, nothing sent to it), and left every block free."""
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4))
+    try:
+        stats = engine.stats()
+        assert stats.num_steps >= 1
+        assert stats.num_free_blocks == stats.num_blocks
+    finally:
+        engine.shutdown()

@@ -173,7 +173,7 @@ def test_sweep_parsing_and_best_setting_under_budget():
 
 # ---- replay on a tiny model ---------------------------------------------------------------------
 def test_replay_honours_arrivals_and_forces_output_lengths(tiny_model_dir):
-    from kvloom.benchmarks.replay import replay, strategy_config, warm_up
+    from kvloom.benchmarks.replay import replay, strategy_config
     from kvloom.benchmarks.workloads import WorkloadRequest
     from kvloom.engine.llm_engine import LLMEngine
 
@@ -182,7 +182,7 @@ def test_replay_honours_arrivals_and_forces_output_lengths(tiny_model_dir):
     workload = Workload("tiny", requests)
     engine = LLMEngine(strategy_config("continuous", workload, model=str(tiny_model_dir), block_size=4,
                                        max_num_batched_tokens=64, max_model_len=64))
-    warm_up(engine)
+    engine.warm_up()
     result = replay(engine, workload)
     by_id = {r.request_id: r for r in result.records}
     assert [by_id[k].num_output_tokens for k in "abc"] == [6, 3, 1]

@@ -1,0 +1,66 @@
+"""Whose CPU a served run used: every thread's CPU time from /proc, summed by its role in `kvloom serve`.
+
+On a host where the engine's threads fill every core, each CPU second that another process takes comes out of
+the engine's, so a served run's shortfall against the offline engine is read here process by process: the
+router, the replica's threads beside its engine, the client, Serve's controller and proxy, Ray's daemons.
+"""
+
+import os
+from collections import Counter
+from pathlib import Path
+
+from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+ENGINE_THREADS = "engine replica: engine threads"
+ROLES = (("ServeReplica:kvloom:Router", "router"), ("ProxyActor", "Serve proxy"),
+         ("ServeController", "Serve controller"), ("raylet", "raylet"), ("gcs_server", "GCS"),
+         ("dashboard", "dashboard agent"), ("log_monitor", "log monitor"),
+         ("kvloom.cluster.cli serve", "`kvloom serve` driver"))
+
+ThreadTimes = dict[tuple[int, int], tuple[str, str, float]]
+
+
+def thread_cpu_seconds() -> ThreadTimes:
+    """Every thread's process command line, thread name and user+system CPU seconds so far."""
+    seen = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+                fields = stat.rsplit(")", 1)[1].split()
+                name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                seen[int(pid), int(tid)] = (cmdline, name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return seen
+
+
+def role(cmdline: str, thread: str) -> str:
+    if "ServeReplica:kvloom:EngineReplica" in cmdline:
+        return ENGINE_THREADS if thread == ENGINE_THREAD_NAME else "engine replica: other threads"
+    return next((name for marker, name in ROLES if marker in cmdline), "other")
+
+
+def cpu_by_role(before: ThreadTimes, after: ThreadTimes, client_pid: int, client_s: float) -> dict[str, float]:
+    """CPU seconds between two snapshots by role; the client's (this process, `client_s`) is counted apart."""
+    by_role = Counter()
+    for (pid, tid), (cmdline, thread, cpu) in after.items():
+        if pid != client_pid and (pid, tid) in before and before[pid, tid][0] == cmdline:
+            by_role[role(cmdline, thread)] += cpu - before[pid, tid][2]
+    by_role["client (the benchmark, aiohttp)"] = client_s
+    return {name: round(cpu, 3) for name, cpu in by_role.most_common() if cpu >= 0.005}
+
+
+def beside_engine(cpu: dict[str, float]) -> float:
+    """What the serving path took beside the engine's threads (the host's other processes left out)."""
+    return sum(seconds for name, seconds in cpu.items() if name not in (ENGINE_THREADS, "other"))
+
+
+def serving_cpu_line(cpu: dict[str, float]) -> str:
+    """One sentence: the engine threads' CPU in a served run, and what every role beside them took."""
+    beside = ", ".join(f"{name} {seconds:.2f}" for name, seconds in cpu.items()
+                       if name not in (ENGINE_THREADS, "other") and seconds >= 0.05)
+    return (f"CPU during the run: engine threads {cpu.get(ENGINE_THREADS, 0.0):.1f} s; beside them "
+            f"{beside_engine(cpu):.2f} s ({beside})")
