@@ -338,8 +338,10 @@ class LLMEngine:
         """Run one short request to its end, so that what starts lazily (the kernels' thread pool, the
         allocator's first blocks, first-call dispatch) is not paid by the first real request. Its prompt, one
         id repeated, is unlike any text, so it gives no later prompt a prefix-cache hit."""
-        prompt = [min(1000, self.vocab_size - 1)] * 32
-        self.add_request("kvloom-warm-up", prompt, SamplingParams(max_tokens=2, temperature=0, detokenize=False))
+        length = max(1, min(32, self.max_model_len - 2, self.config.max_num_batched_tokens))
+        prompt = [min(1000, self.vocab_size - 1)] * length
+        self.add_request("kvloom-warm-up", prompt, SamplingParams(max_tokens=min(2, self.max_model_len - length),
+                                                                  temperature=0, detokenize=False))
         while self.has_unfinished():
             self.step()
 

@@ -124,8 +124,8 @@ async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engin
 
 def test_an_async_engine_warms_up_before_it_takes_requests(tiny_model_dir):
     """The first user request does not pay for what starts lazily: one short request ran at start (a fresh
-    engine, nothing sent to it), and left every block free."""
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4))
+    engine, nothing sent to it, whose requests may be only 8 tokens long), and left every block free."""
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4, max_model_len=8))
     try:
         stats = engine.stats()
         assert stats.num_steps >= 1
