@@ -28,7 +28,7 @@ from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, r
 from kvloom.benchmarks.http_replay import replay_http
 from kvloom.benchmarks.metrics import BatchCounters, RequestRecord, summarize
 from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
-from kvloom.benchmarks.serving_cpu import cpu_by_role, thread_cpu_seconds
+from kvloom.benchmarks.serving_cpu import cpu_by_role, own_cpu_seconds, thread_cpu_seconds
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
 from kvloom.engine.model_files import resolve_model_dir
@@ -305,12 +305,10 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
             left = max(limit_s - (time.monotonic() - start), 60.0)
             ours = spec.kind == "kvloom-serve"
             engine = EngineCounters.read(server.base) if ours else None
-            threads, client = thread_cpu_seconds() if ours else None, os.times()
+            threads, client = thread_cpu_seconds() if ours else None, own_cpu_seconds()
             records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left))
             if ours:
-                done = os.times()
-                cpu = cpu_by_role(threads, thread_cpu_seconds(), os.getpid(),
-                                  done.user + done.system - client.user - client.system)
+                cpu = cpu_by_role(threads, thread_cpu_seconds(), os.getpid(), own_cpu_seconds() - client)
                 time.sleep(1.5)  # replicas push stats every 0.5 s: the run's last steps reach the router
                 engine = EngineCounters.read(server.base) - engine
     except ServerUnavailable as exc:

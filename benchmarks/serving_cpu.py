@@ -18,7 +18,15 @@ ROLES = (("ServeReplica:kvloom:Router", "router"), ("ProxyActor", "Serve proxy")
          ("dashboard", "dashboard agent"), ("log_monitor", "log monitor"),
          ("kvloom.cluster.cli serve", "`kvloom serve` driver"))
 
+NOT_SERVING = (ENGINE_THREADS, "other")  # the engine itself, and the host's processes that serve nothing
+
 ThreadTimes = dict[tuple[int, int], tuple[str, str, float]]
+
+
+def own_cpu_seconds() -> float:
+    """This process's user+system CPU so far, threads that ended included (the client's share)."""
+    times = os.times()
+    return times.user + times.system
 
 
 def thread_cpu_seconds() -> ThreadTimes:
@@ -55,12 +63,12 @@ def cpu_by_role(before: ThreadTimes, after: ThreadTimes, client_pid: int, client
 
 def beside_engine(cpu: dict[str, float]) -> float:
     """What the serving path took beside the engine's threads (the host's other processes left out)."""
-    return sum(seconds for name, seconds in cpu.items() if name not in (ENGINE_THREADS, "other"))
+    return sum(seconds for name, seconds in cpu.items() if name not in NOT_SERVING)
 
 
 def serving_cpu_line(cpu: dict[str, float]) -> str:
     """One sentence: the engine threads' CPU in a served run, and what every role beside them took."""
     beside = ", ".join(f"{name} {seconds:.2f}" for name, seconds in cpu.items()
-                       if name not in (ENGINE_THREADS, "other") and seconds >= 0.05)
+                       if name not in NOT_SERVING and seconds >= 0.05)
     return (f"CPU during the run: engine threads {cpu.get(ENGINE_THREADS, 0.0):.1f} s; beside them "
             f"{beside_engine(cpu):.2f} s ({beside})")

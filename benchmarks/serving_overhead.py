@@ -27,7 +27,7 @@ import yaml
 
 from kvloom.benchmarks.external_peers import healthy, kvloom_serve_command
 from kvloom.benchmarks.process_tree import stop_tree, wait_for
-from kvloom.benchmarks.serving_cpu import cpu_by_role, thread_cpu_seconds
+from kvloom.benchmarks.serving_cpu import cpu_by_role, own_cpu_seconds, thread_cpu_seconds
 from kvloom.benchmarks.tiny_model import build_tiny_llama
 from kvloom.cluster.ports import free_port
 from kvloom.kernels.host_isa import host_isa
@@ -69,13 +69,12 @@ def measure(tokens: int, scratch: Path) -> dict:
                 raise RuntimeError(f"kvloom serve did not come up; see {scratch / 'serve.log'}")
             asyncio.run(stream_all(base, tokens))  # warm-up: code paths, allocator, oneDNN primitives
             time.sleep(2)
-            before, client_before, start = thread_cpu_seconds(), os.times(), time.monotonic()
+            before, client_before, start = thread_cpu_seconds(), own_cpu_seconds(), time.monotonic()
             events = asyncio.run(stream_all(base, tokens))
-            wall, client_after, after = time.monotonic() - start, os.times(), thread_cpu_seconds()
+            wall, client_after, after = time.monotonic() - start, own_cpu_seconds(), thread_cpu_seconds()
         finally:
             stop_tree(server)
-    client_s = client_after.user + client_after.system - client_before.user - client_before.system
-    by_role = cpu_by_role(before, after, os.getpid(), client_s)
+    by_role = cpu_by_role(before, after, os.getpid(), client_after - client_before)
     return {"events": events, "wall_s": wall, "cpu_s": by_role, "tokens": tokens}
 
 

@@ -46,14 +46,21 @@ def run_pairs(pairs: int, settings: BenchSettings, out_dir: Path) -> list[dict]:
         offline = run_isolated(OFFLINE, path, settings, out_dir / "runs" / f"pair-{i}" / "offline")
         served = run_external(SERVED, path, settings, out_dir / "runs" / f"pair-{i}" / "served", settings.timeout_s)
         rows.append({"offline": _summary(offline), "served": _summary(served)})
-        print(f"pair {i}: offline {offline.status} "
-              f"{offline.metrics.output_tok_s if offline.metrics else float('nan'):.1f}, served {served.status} "
-              f"{served.metrics.output_tok_s if served.metrics else float('nan'):.1f} out tok/s", flush=True)
+        ratio = pair_ratio(rows[-1])
+        print(f"pair {i}: offline {offline.status}, served {served.status}, served / offline "
+              f"{'–' if ratio is None else f'{ratio:.3f}'}", flush=True)
     return rows
 
 
+def pair_ratio(row: dict) -> float | None:
+    """Served over offline output tok/s; None where either run failed."""
+    if not row["offline"] or not row["served"]:
+        return None
+    return row["served"]["output_tok_s"] / row["offline"]["output_tok_s"]
+
+
 def median_ratio(rows: list[dict]) -> float | None:
-    ratios = [r["served"]["output_tok_s"] / r["offline"]["output_tok_s"] for r in rows if r["offline"] and r["served"]]
+    ratios = [ratio for row in rows if (ratio := pair_ratio(row)) is not None]
     return statistics.median(ratios) if ratios else None
 
 
@@ -79,7 +86,7 @@ def report(rows: list[dict], describe_cpu: str, settings: BenchSettings) -> str:
 
     for i, row in enumerate(rows):
         offline, served = row["offline"], row["served"]
-        ratio = f"{served['output_tok_s'] / offline['output_tok_s']:.3f}" if offline and served else "–"
+        ratio = f"{r:.3f}" if (r := pair_ratio(row)) is not None else "–"
         beside = f"{beside_engine(served['cpu_by_role']):.2f}" if served and served["cpu_by_role"] else "–"
         lines.append(f"| {i} | {run_cells(offline)} | {run_cells(served)} | {ratio} | {beside} |")
     median = median_ratio(rows)
