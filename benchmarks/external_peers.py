@@ -165,7 +165,7 @@ def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-def _max_model_len(workload: Workload) -> int:
+def max_model_len(workload: Workload) -> int:
     return max(len(r.prompt) + r.max_tokens for r in workload.requests)
 
 
@@ -197,8 +197,9 @@ class EngineCounters:
                               self.seconds - before.seconds)
 
 
-def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
-            elapsed: float, with_outputs: bool, engine: EngineCounters | None = None) -> SystemResult:
+def system_result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float,
+                  loaded_mb: float | None, elapsed: float, with_outputs: bool,
+                  engine: EngineCounters | None = None) -> SystemResult:
     batch = BatchCounters(int(engine.steps), int(engine.requests)) if engine else None
     metrics = summarize(spec.name, records, wall, batch, engine_busy_s=engine.seconds if engine else None)
     metrics.peak_rss_mb = peak_mb
@@ -220,7 +221,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     out = out_dir / "vllm-output.json"
     out.unlink(missing_ok=True)
     command = vllm_offline_command(install.executable, workload_path, resolve_model_dir(settings.model), out,
-                                   settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload),
+                                   settings, spec.engine.get("dtype", "bfloat16"), max_model_len(workload),
                                    spec.engine.get("speculative_config"))
     start = time.monotonic()
     with (out_dir / "log.txt").open("w") as log:
@@ -237,7 +238,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
                             time.monotonic() - start)
     doc = json.loads(out.read_text())
     records, wall = parse_vllm_offline(doc, workload)
-    result = _result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
+    result = system_result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
     result.metrics.spec_decode = doc.get("spec_decode")
     return result
 
@@ -300,7 +301,7 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
-        with running_server(spec, settings, _max_model_len(workload), out_dir / "log.txt") as server:
+        with running_server(spec, settings, max_model_len(workload), out_dir / "log.txt") as server:
             loaded_mb = tree_rss_mb(server.process.pid)
             left = max(limit_s - (time.monotonic() - start), 60.0)
             ours = spec.kind == "kvloom-serve"
@@ -313,8 +314,8 @@ def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings,
                 engine = EngineCounters.read(server.base) - engine
     except ServerUnavailable as exc:
         return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
-    result = _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start, with_outputs=False,
-                     engine=engine)
+    result = system_result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start,
+                           with_outputs=False, engine=engine)
     if ours:
         result.metrics.cpu_by_role = cpu
     return result

@@ -51,13 +51,18 @@ def role(cmdline: str, thread: str) -> str:
     return next((name for marker, name in ROLES if marker in cmdline), "other")
 
 
-def cpu_by_role(before: ThreadTimes, after: ThreadTimes, client_pid: int, client_s: float) -> dict[str, float]:
-    """CPU seconds between two snapshots by role; the client's (this process, `client_s`) is counted apart."""
+CLIENT = "client (the benchmark, aiohttp)"
+
+
+def cpu_by_role(before: ThreadTimes, after: ThreadTimes, client_pid: int, client_s: float,
+                client: str = CLIENT) -> dict[str, float]:
+    """CPU seconds between two snapshots by role; the client's (process `client_pid`, `client_s`) is counted
+    apart, named `client`. Threads that started between the snapshots are left out."""
     by_role = Counter()
     for (pid, tid), (cmdline, thread, cpu) in after.items():
         if pid != client_pid and (pid, tid) in before and before[pid, tid][0] == cmdline:
             by_role[role(cmdline, thread)] += cpu - before[pid, tid][2]
-    by_role["client (the benchmark, aiohttp)"] = client_s
+    by_role[client] = client_s
     return {name: round(cpu, 3) for name, cpu in by_role.most_common() if cpu >= 0.005}
 
 
