@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates benchmarks/results/vs-peers/<host>/: w1/ (W1), chat/ (chat at three arrival rates),
 # single-stream/ (one 256-token prompt, 128 tokens out, at a time, over HTTP) and serving/ (`kvloom serve`
-# against its own offline engine on W1, three alternated pairs): kvloom against vLLM's CPU
+# against its own offline engine on W1: three alternated rounds of offline, straight to the replica and over
+# HTTP): kvloom against vLLM's CPU
 # build (offline `LLM` and `vllm serve`) and llama.cpp's `llama-server`, one system after the other in the
 # same run, on the same prompt ids. <host> names this CPU (e.g. intel-xeon-amx, amd-epyc-avx512bf16), so
 # each kind of host keeps its own figures. Sets the peers up first (minutes, once per machine).
