@@ -69,18 +69,18 @@ def test_straight_to_the_replica_every_request_gets_its_greedy_tokens_each_timed
     from kvloom.cluster.config import ClusterConfig
 
     config = ClusterConfig.model_validate({
-        "name": "replica-replay", "resources": {"num_cpus": 1, "torch_threads": 1},
+        "resources": {"num_cpus": 1, "torch_threads": 1},
         "engine": {"model": "smollm2", "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
                    "max_num_seqs": 8}})
     prompts = smollm2_prompts[-4:]
-    deploy_app(config, "replica-replay")
+    deploy_app(config)  # the app every deploying test replaces: one app serves the route prefix "/"
     try:
         workload = Workload("w", [WorkloadRequest(f"r{i}", ids, 5 + i, arrival_s=0.05 * i)
                                   for i, ids in enumerate(prompts)])
-        records, wall = asyncio.run(replay_replica(serve.get_deployment_handle(REPLICA_NAME, "replica-replay"),
-                                                   workload, timeout_s=120))
+        records, wall = asyncio.run(replay_replica(serve.get_deployment_handle(REPLICA_NAME, config.name), workload,
+                                                   timeout_s=120))
     finally:
-        serve.delete("replica-replay")
+        serve.delete(config.name)
     reference = [tokens[: 5 + i] for i, tokens in enumerate(greedy_reference(smollm2_dir, prompts, 8))]
     assert [r.output_token_ids for r in records] == reference
     for record in records:
