@@ -16,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +28,7 @@ from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, r
 from kvloom.benchmarks.http_replay import replay_http
 from kvloom.benchmarks.metrics import BatchCounters, RequestRecord, summarize
 from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, wait_for
-from kvloom.benchmarks.serving_cpu import cpu_by_role, own_cpu_seconds, thread_cpu_seconds
+from kvloom.benchmarks.serving_cpu import CLIENT, cpu_by_role, own_cpu_seconds, thread_cpu_seconds
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
 from kvloom.engine.model_files import resolve_model_dir
@@ -165,7 +165,7 @@ def external_systems(kinds: list[str], isa=None) -> list[SystemSpec]:
 
 
 # ---- running ---------------------------------------------------------------------------------------------
-def max_model_len(workload: Workload) -> int:
+def _max_model_len(workload: Workload) -> int:
     return max(len(r.prompt) + r.max_tokens for r in workload.requests)
 
 
@@ -197,9 +197,8 @@ class EngineCounters:
                               self.seconds - before.seconds)
 
 
-def system_result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float,
-                  loaded_mb: float | None, elapsed: float, with_outputs: bool,
-                  engine: EngineCounters | None = None) -> SystemResult:
+def _result(spec: SystemSpec, records: list[RequestRecord], wall: float, peak_mb: float, loaded_mb: float | None,
+            elapsed: float, with_outputs: bool, engine: EngineCounters | None = None) -> SystemResult:
     batch = BatchCounters(int(engine.steps), int(engine.requests)) if engine else None
     metrics = summarize(spec.name, records, wall, batch, engine_busy_s=engine.seconds if engine else None)
     metrics.peak_rss_mb = peak_mb
@@ -221,7 +220,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     out = out_dir / "vllm-output.json"
     out.unlink(missing_ok=True)
     command = vllm_offline_command(install.executable, workload_path, resolve_model_dir(settings.model), out,
-                                   settings, spec.engine.get("dtype", "bfloat16"), max_model_len(workload),
+                                   settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload),
                                    spec.engine.get("speculative_config"))
     start = time.monotonic()
     with (out_dir / "log.txt").open("w") as log:
@@ -238,7 +237,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
                             time.monotonic() - start)
     doc = json.loads(out.read_text())
     records, wall = parse_vllm_offline(doc, workload)
-    result = system_result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
+    result = _result(spec, records, wall, rss.peak_mb, None, time.monotonic() - start, with_outputs=True)
     result.metrics.spec_decode = doc.get("spec_decode")
     return result
 
@@ -295,30 +294,46 @@ def running_server(spec: SystemSpec, settings: BenchSettings, max_model_len: int
                 stop_tree(process)
 
 
-def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
-                  limit_s: float) -> SystemResult:
-    """Start the server, wait for /health, replay the workload over streaming HTTP, stop the server."""
+# a replay against a started server, given the seconds left: its records, wall time and its own CPU seconds
+Replay = Callable[[Server, float], tuple[list[RequestRecord], float, float]]
+
+
+def run_served(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path, limit_s: float,
+               replay: Replay, client: str = CLIENT) -> SystemResult:
+    """Start the server, wait for /health, run `replay` on it, stop the server. Around a `kvloom serve` replay the
+    engine's counters and every process's CPU by role are read too (`client` names the replay's own share)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     try:
-        with running_server(spec, settings, max_model_len(workload), out_dir / "log.txt") as server:
+        with running_server(spec, settings, _max_model_len(workload), out_dir / "log.txt") as server:
             loaded_mb = tree_rss_mb(server.process.pid)
             left = max(limit_s - (time.monotonic() - start), 60.0)
             ours = spec.kind == "kvloom-serve"
             engine = EngineCounters.read(server.base) if ours else None
-            threads, client = thread_cpu_seconds() if ours else None, own_cpu_seconds()
-            records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left))
+            threads = thread_cpu_seconds() if ours else None
+            records, wall, client_s = replay(server, left)
             if ours:
-                cpu = cpu_by_role(threads, thread_cpu_seconds(), os.getpid(), own_cpu_seconds() - client)
+                cpu = cpu_by_role(threads, thread_cpu_seconds(), os.getpid(), client_s, client)
                 time.sleep(1.5)  # replicas push stats every 0.5 s: the run's last steps reach the router
                 engine = EngineCounters.read(server.base) - engine
     except ServerUnavailable as exc:
         return SystemResult(spec, str(exc), None, [], {}, time.monotonic() - start)
-    result = system_result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start,
-                           with_outputs=False, engine=engine)
+    result = _result(spec, records, wall, server.rss.peak_mb, loaded_mb, time.monotonic() - start,
+                     with_outputs=False, engine=engine)
     if ours:
         result.metrics.cpu_by_role = cpu
     return result
+
+
+def run_http_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, out_dir: Path,
+                  limit_s: float) -> SystemResult:
+    """The workload over streaming HTTP, this process the client."""
+    def over_http(server: Server, left_s: float) -> tuple[list[RequestRecord], float, float]:
+        client = own_cpu_seconds()
+        records, wall = asyncio.run(replay_http(server.base, workload, SERVED_NAME, timeout_s=left_s))
+        return records, wall, own_cpu_seconds() - client
+
+    return run_served(spec, workload, settings, out_dir, limit_s, over_http)
 
 
 def healthy(base: str) -> bool:

@@ -18,17 +18,15 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvloom.benchmarks.external_peers import (EngineCounters, ServerUnavailable, max_model_len, run_external,
-                                              running_server, system_result)
+from kvloom.benchmarks.external_peers import Server, ServerUnavailable, run_external, run_served
 from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, run_isolated
 from kvloom.benchmarks.metrics import RequestRecord
 from kvloom.benchmarks.process_tree import wait_for
 from kvloom.benchmarks.replica_replay import cluster_address
-from kvloom.benchmarks.serving_cpu import beside_engine, cpu_by_role, serving_cpu_line, thread_cpu_seconds
+from kvloom.benchmarks.serving_cpu import beside_engine, serving_cpu_line
 from kvloom.benchmarks.workloads import Workload, default_corpus, make_workload
 from kvloom.kernels.host_isa import host_isa
 
@@ -53,30 +51,23 @@ def _summary(result) -> dict | None:
 def run_replica(workload_path: Path, settings: BenchSettings, out_dir: Path) -> SystemResult:
     """`kvloom serve` started as for the HTTP run, the workload sent by replica_replay's driver (a process of its
     own, whose CPU counts as the client's does)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     workload = Workload.load(workload_path).with_token_ids(settings.model)
     driven = workload.save(out_dir / "workload.jsonl")
     records_path = out_dir / "records.json"
-    start = time.monotonic()
-    try:
-        with running_server(REPLICA, settings, max_model_len(workload), out_dir / "log.txt") as server:
-            address = _printed_address(out_dir / "log.txt")
-            engine, threads = EngineCounters.read(server.base), thread_cpu_seconds()
+
+    def straight_to_the_replica(server: Server, left_s: float) -> tuple[list[RequestRecord], float, float]:
+        address = _printed_address(out_dir / "log.txt")
+        try:
             with (out_dir / "driver.txt").open("w") as driver_log:
                 subprocess.run([sys.executable, "-m", "kvloom.benchmarks.replica_replay", "--address", address,
                                 "--workload", str(driven), "--out", str(records_path)],
-                               stdout=driver_log, stderr=subprocess.STDOUT, check=True, timeout=settings.timeout_s)
-            done = json.loads(records_path.read_text())
-            cpu = cpu_by_role(threads, thread_cpu_seconds(), -1, done["driver_cpu_s"], DRIVER)
-            time.sleep(1.5)  # replicas push stats every 0.5 s: the run's last steps reach the router
-            engine = EngineCounters.read(server.base) - engine
-    except (ServerUnavailable, subprocess.SubprocessError) as exc:
-        return SystemResult(REPLICA, str(exc), None, [], {}, time.monotonic() - start)
-    records = [RequestRecord(**r) for r in done["records"]]
-    result = system_result(REPLICA, records, done["wall_s"], server.rss.peak_mb, None, time.monotonic() - start,
-                           with_outputs=False, engine=engine)
-    result.metrics.cpu_by_role = cpu
-    return result
+                               stdout=driver_log, stderr=subprocess.STDOUT, check=True, timeout=left_s)
+        except subprocess.SubprocessError as exc:
+            raise ServerUnavailable(f"error: the driver failed ({exc}; see {out_dir / 'driver.txt'})") from exc
+        done = json.loads(records_path.read_text())
+        return [RequestRecord(**r) for r in done["records"]], done["wall_s"], done["driver_cpu_s"]
+
+    return run_served(REPLICA, workload, settings, out_dir, settings.timeout_s, straight_to_the_replica, DRIVER)
 
 
 def _printed_address(log_path: Path, timeout_s: float = 120) -> str:
