@@ -4,16 +4,18 @@
 // longest first. An item walks its request's blocks once with an online softmax. Per block and kv
 // head, each query head sharing it (GQA) scores the block's keys, 8 per reduction tree, and folds
 // in its values while both are still in L1; the next block (scattered, so the hardware prefetcher
-// cannot guess it) is prefetched a slice per query head, spread over the block's work: one burst
-// of a whole block's prefetches fills the core's miss buffers and stalls it. At batch 64, context
-// 256 a step reads ~750 MB of fp32 K/V, every row exactly once.
+// cannot guess it) is prefetched into L2 a slice per query head, spread over the block's work: one
+// burst of a whole block's prefetches fills the core's miss buffers and stalls it, and prefetches
+// into L1 held those buffers until the lines arrived (into L2: the 30 layers of a batch-48 decode
+// step at context ~269 took 28 ms instead of 37 in float32 on one thread, from DRAM). At batch 64,
+// context 256 a step reads ~750 MB of fp32 K/V, every row exactly once.
 //
 // Vectors are GCC/Clang vector extensions one hardware register wide (16 floats on AVX-512, 8 on
 // AVX2, 4 elsewhere), so the same source builds on any x86-64 or Arm host with -march=native. The
-// cache may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32. Head
-// dims 16, 32, 64, 128 and 256 are compile-time (the query row lives in registers); the GQA group is
-// a runtime loop, which keeps the build to 15 instantiations (seconds of compile on a fresh machine,
-// not minutes). paged_decode_supported() tells the caller when to use its torch fallback instead.
+// cache may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32 (a bfloat16
+// model's products on AVX512-BF16: see DOT_BF16). Head dims 16, 32, 64, 128 and 256 are compile-time (the
+// query row lives in registers); the GQA group is a runtime loop (of up to 4 heads in lockstep on the
+// bfloat16 path), which keeps the build to seconds of compile on a fresh machine, not minutes. paged_decode_supported() tells the caller when to use its torch fallback instead.
 // The ops register as torch.ops.kvloom.* on ATen's own headers: pybind's torch/extension.h alone
 // costs half a minute to compile. Built with -fopenmp: ATen's parallel_for is inline OpenMP, and
 // without the flag it silently runs on one thread.
@@ -79,8 +81,8 @@ inline float horizontal_sum(vfloat v) {
 
 // the W-wide dot products of 8 keys -> one vector of their 8 sums (the first 8 lanes where W is
 // wider): one reduction tree for 8 scores, not 8 horizontal sums, and the scores land in a vector
-inline void sum_rows8(const vfloat* dots, float* out) {
 #if defined(__AVX__)
+inline __m256 sum_rows8(const vfloat* dots) {
   __m256 d[8];
   for (int i = 0; i < 8; ++i) {
 #if defined(__AVX512F__)  // fold each 16-float vector to 8 floats first
@@ -92,11 +94,15 @@ inline void sum_rows8(const vfloat* dots, float* out) {
   }
   const __m256 lo = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
   const __m256 hi = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
-  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31)));
-#else
-  for (int i = 0; i < 8; ++i) out[i] = horizontal_sum(dots[i]);
-#endif
+  return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
 }
+
+inline void sum_rows8(const vfloat* dots, float* out) { _mm256_storeu_ps(out, sum_rows8(dots)); }
+#else
+inline void sum_rows8(const vfloat* dots, float* out) {
+  for (int i = 0; i < 8; ++i) out[i] = horizontal_sum(dots[i]);
+}
+#endif
 
 struct Item {
   const float* query;  // [KVH * G, D] of one request, or null where dot_bf16 applies
@@ -148,20 +154,40 @@ inline void block_scores(const vfloat* q, const T* keys, int64_t row, int64_t n,
 // multiplies 32 bfloat16 pairs and adds them into 16 float32 lanes, one instruction where widening
 // costs three. A product of two bfloat16 is exact in float32, so the scores are the float32 ones up
 // to summation order; the scale (rarely a bfloat16) multiplies the scores instead of the query.
+// P.V likewise: V's rows of one block and kv head are laid out once as bfloat16 pairs of keys (t, t+1),
+// so that VDPBF16PS folds two keys' values into 16 outputs an instruction (the widening loop took three
+// instructions and an FMA per 16 elements and key, for each query head of the group), with the
+// probabilities rounded to bfloat16 pairs as in the prefill kernel. A sub-block's 16 scores stay in one
+// register from Q.K to P.V: written to memory in pieces and read back whole, every pass over them
+// stalled on store forwarding (measured: a third of the kernel's time).
 #if defined(__AVX512BF16__)
 template <typename T, int NV>
 constexpr bool DOT_BF16 = std::is_same_v<T, at::BFloat16> && W == 16 && NV % 2 == 0;
+constexpr int64_t SUB_BLOCK = W;  // keys a register of scores holds
 
+// exp(x) of 16 lanes, x <= 0: exp_nonpositive's arithmetic, lane by lane
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+// scores of one query head against n <= SUB_BLOCK keys, scaled, in one register (lanes past n: anything)
 template <int NV>
-inline void block_scores_bf16(const at::BFloat16* query, const at::BFloat16* keys, int64_t row, int64_t n,
-                              float scale, float* __restrict scores) {
-  __m512bh q[NV / 2];
-  for (int c = 0; c < NV / 2; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + c * 2 * W);
-  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+inline __m512 sub_block_scores(const __m512bh* q, const at::BFloat16* keys, int64_t row, int64_t n, float scale) {
+  __m256 halves[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int h = 0; h * 8 < n; ++h) {
     vfloat dots[8];
     for (int i = 0; i < 8; ++i) {
-      if (t0 + i < n) {
-        const at::BFloat16* k = keys + (t0 + i) * row;
+      const int64_t t = h * 8 + i;
+      if (t < n) {
+        const at::BFloat16* k = keys + t * row;
         __m512 dot = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], (__m512bh)_mm512_loadu_si512(k));
         for (int c = 1; c < NV / 2; ++c) dot = _mm512_dpbf16_ps(dot, q[c], (__m512bh)_mm512_loadu_si512(k + c * 2 * W));
         dots[i] = reinterpret_cast<const vfloat&>(dot);
@@ -169,17 +195,115 @@ inline void block_scores_bf16(const at::BFloat16* query, const at::BFloat16* key
         dots[i] = vfloat{};
       }
     }
-    sum_rows8(dots, scores + t0);
+    halves[h] = sum_rows8(dots);
   }
-  for (int64_t t = 0; t < n; ++t) scores[t] *= scale;
+  return _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(halves[0]), halves[1], 1), _mm512_set1_ps(scale));
+}
+
+// V rows of n keys -> pairs of keys: vector 2c of a pair holds elements c*2W + {0-3, 8-11, 16-19, 24-27} of both
+// keys and vector 2c+1 the others (the 16-bit unpacks work within 128-bit lanes); a missing odd last key reads
+// as zero, not as the slot past the block's end (which may hold anything)
+template <int NV>
+inline void pair_values(const at::BFloat16* values, int64_t row, int64_t n, uint32_t* pairs) {
+  for (int64_t t = 0; t < n; t += 2) {
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m512i a = _mm512_loadu_si512(values + t * row + c * 2 * W);
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(values + (t + 1) * row + c * 2 * W) : _mm512_setzero_si512();
+      _mm512_storeu_si512(pairs + (t / 2 * NV + 2 * c) * W, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(pairs + (t / 2 * NV + 2 * c + 1) * W, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// Folds n <= SUB_BLOCK scores of each of GB query heads into its running softmax, then P.V over those keys'
+// value pairs. The heads go in lockstep, each step's GB chains independent of one another: one head at a time
+// waited on each step's latency in turn (a sub-block's reductions, exp and the accumulators' VDPBF16PS chain
+// are one long chain per head), and the value pairs are loaded once for all of them.
+template <int NV, int GB>
+inline void sub_block_update(HeadState<NV * W>* st, const __m512* scores, int64_t n, const uint32_t* pairs) {
+  const __mmask16 live = n >= SUB_BLOCK ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  __m512i rounded[GB];  // head g's probabilities as bfloat16 pairs, pair k in 32-bit lane k
+  __m512 acc[GB][NV];
+  for (int g = 0; g < GB; ++g) {
+    const __m512 s = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), scores[g]);
+    const float block_max = std::max(st[g].running_max, _mm512_reduce_max_ps(s));
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
+    for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(st[g].acc + j * W);
+    if (block_max > st[g].running_max) {
+      const float correction = exp_nonpositive(st[g].running_max - block_max);
+      st[g].denominator *= correction;
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(correction));
+      st[g].running_max = block_max;
+    }
+    st[g].denominator += _mm512_reduce_add_ps(p);
+    rounded[g] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(p));
+  }
+  for (int64_t k = 0; k < (n + 1) / 2; ++k) {
+    const __m512i lane = _mm512_set1_epi32(static_cast<int>(k));
+    __m512bh v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = (__m512bh)_mm512_loadu_si512(pairs + (k * NV + j) * W);
+    for (int g = 0; g < GB; ++g) {
+      const __m512bh pk = (__m512bh)_mm512_permutexvar_epi32(lane, rounded[g]);
+      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_dpbf16_ps(acc[g][j], pk, v[j]);
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(st[g].acc + j * W, acc[g][j]);
+}
+
+// GB query heads (consecutive, sharing one kv head) over one block of a bfloat16 cache: SUB_BLOCK keys at a time.
+// `fetch()` prefetches a slice of the next block, once after each head's scores (see decode_item).
+template <int NV, int GB, typename Fetch>
+inline void heads_block_bf16(HeadState<NV * W>* st, const at::BFloat16* query, int64_t head_stride,
+                             const at::BFloat16* keys, int64_t row, int64_t n, float scale, const uint32_t* value_pairs,
+                             const Fetch& fetch) {
+  __m512bh q[GB][NV / 2];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < NV / 2; ++c) q[g][c] = (__m512bh)_mm512_loadu_si512(query + g * head_stride + c * 2 * W);
+  for (int64_t t = 0; t < n; t += SUB_BLOCK) {
+    const int64_t m = std::min(SUB_BLOCK, n - t);
+    __m512 scores[GB];
+    for (int g = 0; g < GB; ++g) {
+      scores[g] = sub_block_scores<NV>(q[g], keys + t * row, row, m, scale);
+      fetch();
+    }
+    sub_block_update<NV, GB>(st, scores, m, value_pairs + t / 2 * NV * W);
+  }
+}
+
+constexpr int MAX_LOCKSTEP = 4;  // heads at a time: 4 x NV accumulators, NV value vectors and 4 roundings in registers
+
+// The G query heads of one kv head over one block, up to MAX_LOCKSTEP of them at a time.
+template <int NV, typename Fetch>
+inline void group_block_bf16(HeadState<NV * W>* st, int G, const at::BFloat16* query, int64_t head_stride,
+                             const at::BFloat16* keys, int64_t row, int64_t n, float scale, const uint32_t* value_pairs,
+                             const Fetch& fetch) {
+  for (int g = 0; g < G; g += MAX_LOCKSTEP) {
+    const at::BFloat16* q = query + g * head_stride;
+    switch (std::min(G - g, MAX_LOCKSTEP)) {
+      case 1: heads_block_bf16<NV, 1>(st + g, q, head_stride, keys, row, n, scale, value_pairs, fetch); break;
+      case 2: heads_block_bf16<NV, 2>(st + g, q, head_stride, keys, row, n, scale, value_pairs, fetch); break;
+      case 3: heads_block_bf16<NV, 3>(st + g, q, head_stride, keys, row, n, scale, value_pairs, fetch); break;
+      default: heads_block_bf16<NV, 4>(st + g, q, head_stride, keys, row, n, scale, value_pairs, fetch); break;
+    }
+  }
 }
 #else
 template <typename T, int NV>
 constexpr bool DOT_BF16 = false;
 
 template <int NV>
-inline void block_scores_bf16(const at::BFloat16*, const at::BFloat16*, int64_t, int64_t, float, float*) {}
+inline void pair_values(const at::BFloat16*, int64_t, int64_t, uint32_t*) {}
+template <int NV, typename Fetch>
+inline void group_block_bf16(HeadState<NV * W>*, int, const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, int64_t,
+                             float, const uint32_t*, const Fetch&) {}
 #endif
+
+// position, in an output accumulated over value pairs (see pair_values), of natural element d
+inline int64_t pair_output_index(int64_t d) {
+  const int64_t r = d % (2 * W);
+  return (d / (2 * W) * 2 + r % 8 / 4) * W + r / 8 * 4 + r % 4;
+}
 
 // Folds one block's scores into a query head's running softmax: exp, rescale, then P.V.
 template <typename T, int NV>
@@ -219,11 +343,13 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
   const int64_t first = item.first_head * G, heads = (item.last_head - item.first_head) * G;
   auto* states = reinterpret_cast<HeadState<D>*>(scratch);
   float* scores = scratch + heads * sizeof(HeadState<D>) / sizeof(float);
+  float* room = scores + BS + 8;  // paired queries, or one block's value pairs (dot_bf16)
   const bool dot_bf16 = DOT_BF16<T, NV> && item.query == nullptr;
+  auto* value_pairs = reinterpret_cast<uint32_t*>(room);
   const float* queries = item.query;  // [KVH * G, D], paired like the rows where they are
   int64_t head_stride = item.query_head_stride;
   if (PAIRED<T, NV> && !dot_bf16) {
-    float* paired = scores + BS + 8;
+    float* paired = room;
     for (int64_t h = first; h < first + heads; ++h)
       for (int64_t d = 0; d < D; ++d) paired[h * D + paired_index(d)] = item.query[h * head_stride + d];
     queries = paired;
@@ -234,7 +360,7 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
     states[h].running_max = -INFINITY;
     states[h].denominator = 0.f;
   }
-  // the next block (contiguous BS rows of K, then of V) is fetched a slice per query head processed
+  // the next block (contiguous BS rows of K, then of V) is fetched into L2 a slice per query head processed
   const int64_t block_elems = BS * cache.row;
   const int64_t slice = ((block_elems + heads - 1) / heads + LINE - 1) / LINE * LINE;
   for (int64_t start = 0; start < L; start += BS) {
@@ -248,36 +374,39 @@ void decode_item(const Item& item, const Cache<T>& cache, int G, float scale, fl
       next_values = cache.values + next;
     }
     int64_t prefetched = 0;
+    auto prefetch = [&] {  // the next block's slice for the query head just processed
+      if (next_keys == nullptr) return;
+      const int64_t stop = std::min(prefetched + slice, block_elems);
+      for (; prefetched < stop; prefetched += LINE) {
+        __builtin_prefetch(next_keys + prefetched, 0, 2);
+        __builtin_prefetch(next_values + prefetched, 0, 2);
+      }
+    };
     for (int64_t kvh = item.first_head; kvh < item.last_head; ++kvh) {
       const T* keys = cache.keys + base + kvh * D;
       const T* values = cache.values + base + kvh * D;
+      if (dot_bf16) {  // the group's heads together
+        pair_values<NV>(reinterpret_cast<const at::BFloat16*>(values), cache.row, n, value_pairs);
+        group_block_bf16<NV>(states + (kvh * G - first), G, item.query_bf16 + kvh * G * head_stride, head_stride,
+                             reinterpret_cast<const at::BFloat16*>(keys), cache.row, n, scale, value_pairs, prefetch);
+        continue;
+      }
       for (int g = 0; g < G; ++g) {
         const int64_t head = kvh * G + g;
-        if (dot_bf16) {
-          block_scores_bf16<NV>(item.query_bf16 + head * head_stride, reinterpret_cast<const at::BFloat16*>(keys),
-                                cache.row, n, scale, scores);
-        } else {
-          vfloat q[NV];
-          for (int j = 0; j < NV; ++j) q[j] = load(queries + head * head_stride + j * W) * scale;
-          block_scores<T, NV>(q, keys, cache.row, n, scores);
-        }
+        vfloat q[NV];
+        for (int j = 0; j < NV; ++j) q[j] = load(queries + head * head_stride + j * W) * scale;
+        block_scores<T, NV>(q, keys, cache.row, n, scores);
         block_update<T, NV>(states[head - first], scores, values, cache.row, n);
-        if (next_keys != nullptr) {
-          const int64_t stop = std::min(prefetched + slice, block_elems);
-          for (; prefetched < stop; prefetched += LINE) {
-            __builtin_prefetch(next_keys + prefetched);
-            __builtin_prefetch(next_values + prefetched);
-          }
-        }
+        prefetch();
       }
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = 1.f / states[h].denominator;
     float* acc = states[h].acc;
-    if constexpr (PAIRED<T, NV>) {  // back to natural order, through the paired queries' room (done with)
-      float* natural = scores + BS + 8;
-      for (int64_t d = 0; d < D; ++d) natural[d] = acc[paired_index(d)];
+    if (PAIRED<T, NV> || dot_bf16) {  // back to natural order, through the room (done with)
+      float* natural = room;
+      for (int64_t d = 0; d < D; ++d) natural[d] = acc[dot_bf16 ? pair_output_index(d) : paired_index(d)];
       acc = natural;
     }
     if (item.out_bf16 != nullptr) {
@@ -347,7 +476,8 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   const int64_t heads_per_item = KVH / split;
   // per thread: the heads' softmax states, one block's scores, and paired queries (all H of them,
   // indexed by head)
-  const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 + H * D;
+  const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 +
+                                std::max(H * D, (BS + 1) / 2 * D);
   deal_items(
       items, [&] { return std::vector<float>(scratch_floats); },
       [&](int64_t n, std::vector<float>& scratch) {

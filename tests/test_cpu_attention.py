@@ -247,6 +247,22 @@ def test_bfloat16_decode_step_matches_a_float32_reference():
     torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("heads", [(9, 3, 64), (12, 1, 32), (10, 2, 128), (2, 1, 64)], ids=["gqa-3", "gqa-12", "gqa-5", "gqa-2"])
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+def test_bfloat16_decode_over_any_block_size_and_group(heads, block_size):
+    """A bfloat16 model's decode rows with odd and even context lengths (a block's last key alone, the slot past
+    it unowned), blocks shorter and longer than one register of scores, and query-head groups that do not
+    split evenly into the heads the kernel takes at a time: all within the stated tolerance of float32."""
+    context = [1, 2, 5, block_size, block_size + 1, 33, 64, 100]
+    case = Case([c - 1 for c in context], [1] * len(context), heads, block_size, seed=13, cache_dtype=torch.bfloat16)
+    case.query, case.new_keys, case.new_values = (t.bfloat16() for t in (case.query, case.new_keys, case.new_values))
+    got, _, _ = case.run(cpu_attention)
+    assert torch.isfinite(got.float()).all(), "the kernel read a slot no request owns"
+    case.query = case.query.float()
+    want, _, _ = case.run(reference)
+    torch.testing.assert_close(got.float(), want, **BF16_TOLERANCE)
+
+
 def test_nan_in_unowned_slots_is_detected():
     """Guard for this file's method: reading an unowned slot really does surface as a failure."""
     case = Case([4], [1], HEAD_SHAPES[0], 4, seed=5)  # 5 tokens: the second block has 3 unowned slots
