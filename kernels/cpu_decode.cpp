@@ -15,7 +15,8 @@
 // cache may hold float32, float16 or bfloat16 (half the bytes to stream); the math is float32 (a bfloat16
 // model's products on AVX512-BF16: see DOT_BF16). Head dims 16, 32, 64, 128 and 256 are compile-time (the
 // query row lives in registers); the GQA group is a runtime loop (of up to 4 heads in lockstep on the
-// bfloat16 path), which keeps the build to seconds of compile on a fresh machine, not minutes. paged_decode_supported() tells the caller when to use its torch fallback instead.
+// bfloat16 path), which keeps the build to seconds of compile on a fresh machine, not minutes.
+// paged_decode_supported() tells the caller when to use its torch fallback instead.
 // The ops register as torch.ops.kvloom.* on ATen's own headers: pybind's torch/extension.h alone
 // costs half a minute to compile. Built with -fopenmp: ATen's parallel_for is inline OpenMP, and
 // without the flag it silently runs on one thread.
@@ -165,17 +166,13 @@ template <typename T, int NV>
 constexpr bool DOT_BF16 = std::is_same_v<T, at::BFloat16> && W == 16 && NV % 2 == 0;
 constexpr int64_t SUB_BLOCK = W;  // keys a register of scores holds
 
-// exp(x) of 16 lanes, x <= 0: exp_nonpositive's arithmetic, lane by lane
+// exp(x) of 16 lanes, x <= 0: cpu_math.h's exp_nonpositive, which the compiler vectorizes over the 16 (a store
+// and a load of the same width, which forward)
 inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 v = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), v));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, k);
+  alignas(64) float lanes[SUB_BLOCK];
+  _mm512_store_ps(lanes, x);
+  exp_nonpositive_all(lanes, SUB_BLOCK);
+  return _mm512_load_ps(lanes);
 }
 
 // scores of one query head against n <= SUB_BLOCK keys, scaled, in one register (lanes past n: anything)
@@ -474,8 +471,8 @@ at::Tensor run(const at::Tensor& query, const at::Tensor& key_cache, const at::T
   for (int64_t i = 0; i < items; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return sl[a / split] > sl[b / split]; });
   const int64_t heads_per_item = KVH / split;
-  // per thread: the heads' softmax states, one block's scores, and paired queries (all H of them,
-  // indexed by head)
+  // per thread: the heads' softmax states, one block's scores, and room for the paired queries (all H of
+  // them, indexed by head) or, on the bfloat16 path, one block's value pairs
   const size_t scratch_floats = heads_per_item * G * sizeof(HeadState<256>) / sizeof(float) + BS + 8 +
                                 std::max(H * D, (BS + 1) / 2 * D);
   deal_items(
