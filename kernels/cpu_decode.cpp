@@ -131,6 +131,17 @@ struct HeadState {
   float running_max, denominator;
 };
 
+// A block whose max beats the head's running max: what it summed so far (its denominator and the NV output
+// accumulators the caller holds in registers, V one register wide) shrinks by exp(old max - new max).
+template <typename V, int NV>
+inline void raise_max(HeadState<NV * W>& st, float block_max, V* acc) {
+  if (block_max <= st.running_max) return;
+  const float correction = exp_nonpositive(st.running_max - block_max);
+  st.denominator *= correction;
+  for (int j = 0; j < NV; ++j) acc[j] *= correction;
+  st.running_max = block_max;
+}
+
 // Scores of one query head against n (<= block size) keys: 8 keys per reduction tree.
 template <typename T, int NV>
 inline void block_scores(const vfloat* q, const T* keys, int64_t row, int64_t n, float* __restrict scores) {
@@ -226,12 +237,7 @@ inline void sub_block_update(HeadState<NV * W>* st, const __m512* scores, int64_
     const float block_max = std::max(st[g].running_max, _mm512_reduce_max_ps(s));
     const __m512 p = _mm512_maskz_mov_ps(live, exp_nonpositive16(_mm512_sub_ps(s, _mm512_set1_ps(block_max))));
     for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_loadu_ps(st[g].acc + j * W);
-    if (block_max > st[g].running_max) {
-      const float correction = exp_nonpositive(st[g].running_max - block_max);
-      st[g].denominator *= correction;
-      for (int j = 0; j < NV; ++j) acc[g][j] = _mm512_mul_ps(acc[g][j], _mm512_set1_ps(correction));
-      st[g].running_max = block_max;
-    }
+    raise_max<__m512, NV>(st[g], block_max, acc[g]);
     st[g].denominator += _mm512_reduce_add_ps(p);
     rounded[g] = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(p));
   }
@@ -313,13 +319,7 @@ inline void block_update(HeadState<NV * W>& st, float* __restrict s, const T* va
   for (int64_t t = 0; t < n; ++t) sum += s[t];
   vfloat acc[NV];
   for (int j = 0; j < NV; ++j) acc[j] = load(st.acc + j * W);
-  if (block_max > st.running_max) {
-    float correction = st.running_max - block_max;
-    correction = exp_nonpositive(correction);
-    st.denominator *= correction;
-    for (int j = 0; j < NV; ++j) acc[j] *= correction;
-    st.running_max = block_max;
-  }
+  raise_max<vfloat, NV>(st, block_max, acc);
   st.denominator += sum;
   for (int64_t t = 0; t < n; ++t) {
     vfloat v[NV];
