@@ -5,8 +5,8 @@ costs as much as the math, and at large ones the unfused elementwise chains (RMS
 SiLU-and-multiply) stream the activations through memory again and again. This decoder runs the
 same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in-place rotary
 and SiLU-and-multiply per layer, with every weight laid out once for the CPU kernel that runs it best
-(`PackedLinear`: oneDNN's packed GEMM, 1.5-2x MKL's at decode batch sizes, or in bfloat16 on AVX512-BF16
-without AMX kvloom's own pair kernel).
+(`PackedLinear`: oneDNN's packed GEMM, 1.5-2x MKL's at decode batch sizes, or on AVX-512 CPUs without AMX
+kvloom's own blocked kernel).
 
 Under a bfloat16 model the GEMMs, the KV cache and the attention inputs are bfloat16 (AMX tiles on
 the CPUs that have them), while the residual stream, the norm weights, the rotary tables and every
@@ -15,9 +15,9 @@ would accumulate, and at 576 floats per token it costs next to nothing to keep w
 
 It reads the safetensors file directly rather than through transformers' model classes, whose import
 alone costs ~180 MB per process (see `model_config.py`). Each source weight is released as soon as it is
-packed, so nothing is held twice. An untied LM head is packed too; in float32 a head tied to the embedding
-table runs oneDNN on the table itself (in bfloat16 it gets a packed copy, where the faster kernels pay for
-the table's size). A packed float32 copy would be ~10% faster, but the lookup reads the dense
+packed, so nothing is held twice. An untied LM head is packed too; in float32 under oneDNN a head tied to
+the embedding table runs oneDNN on the table itself (in bfloat16, or where kvloom's blocked kernel runs
+every linear, it gets a packed copy, where the faster kernels pay for the table's size). A packed float32 copy would be ~10% faster, but the lookup reads the dense
 table: releasing its pages does not keep them out (the kernel maps a whole page-cache folio back on
 each touch; a few thousand distinct tokens bring back nearly all of it), so the copy would cost the
 table's size.
@@ -38,7 +38,7 @@ from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
-from kvloom.kernels.packed_linear import Layout, PackedLinear
+from kvloom.kernels.packed_linear import Layout, PackedLinear, blocked_fits
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
 MLP_ROWS = 512  # rows per MLP pass (see FusedDecoder._mlp)
@@ -85,7 +85,8 @@ class FusedDecoder:
                 gate_up=_pack(checkpoint, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
                 down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
             ))
-        self.head_shares_embedding = config.tie_word_embeddings and self.dtype == torch.float32
+        self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32
+                                      and not blocked_fits(self.embed))
         if not config.tie_word_embeddings:
             self.lm_head = _pack(checkpoint, ["lm_head"])
         elif self.head_shares_embedding:
@@ -158,10 +159,10 @@ class FusedDecoder:
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def runs_on_own_kernels(self) -> bool:
-        """Every linear is kvloom's pair GEMM: a CPU step's heavy work is all kvloom's kernels (kernels/item_pool.py)."""
+        """Every linear is kvloom's blocked GEMM: a CPU step's heavy work is all kvloom's kernels (kernels/item_pool.py)."""
         linears = [self.lm_head] + [linear for layer in self.layers
                                     for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        return all(linear.layout is Layout.PAIRS for linear in linears)
+        return all(linear.layout is Layout.BLOCKED for linear in linears)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab]; under tensor parallelism on rank 0 only (None on the others)."""

@@ -89,7 +89,9 @@ def resolve_dtype(requested: str, device: torch.device, isa: HostISA | None = No
     else:
         isa = isa or host_isa()
         chosen = auto_cpu_dtype(isa)
-        reason = isa.describe() + (": bfloat16 in hardware" if isa.fast_bfloat16 else ": no bfloat16 units")
+        reason = isa.describe() + (": bfloat16 in hardware" if isa.fast_bfloat16 else
+                                   ": bfloat16 weights widened in registers" if chosen == "bfloat16" else
+                                   ": no bfloat16 units")
     logger.info("kvloom engine dtype %s (auto; %s)", chosen, reason)
     return DTYPES[chosen]
 

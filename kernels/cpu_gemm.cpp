@@ -1,14 +1,16 @@
-// bfloat16 linear layers on CPUs with AVX512-BF16 dot products and no AMX tiles (AMD Zen 4 here).
+// Linear layers on AVX-512 CPUs without AMX tiles: bfloat16 (AMD Zen 4 with AVX512-BF16 dot products; Intel Xeons
+// with AVX-512 and no bfloat16 units) and float32.
 //
-// oneDNN's packed bfloat16 GEMM is weak at the row counts decode runs at on these CPUs: measured on the
-// 2-core AMD EPYC (Zen 4), SmolLM2's 30 layers at 48 rows ran 290 GFLOP/s (16 rows 207, 1 row ~13) where
-// the same CPU reaches ~440 on large matrices. Here the weight is laid out once in pairs of inputs,
-// [ceil(N/32), K/2, 32, 2] (zero rows pad N), so that one 512-bit load holds 16 outputs' next two weights,
-// and a register block of 12 rows x 32 outputs runs VDPBF16PS over a broadcast pair of each row's inputs:
-// 24 float32 accumulators live in registers over all of K, and the weight block read once per 12 rows
-// stays in L2. Work items (48 rows x 64 or 96 outputs) go to ATen's threads from a shared counter, so a thread
-// that the OS preempts for a moment leaves its share to the other rather than holding it at a barrier.
-// Sums are float32, rounded to bfloat16 once (nearest even), as oneDNN's are.
+// oneDNN's packed GEMMs are weak at the row counts decode runs at on these CPUs: measured on the 2-core AMD EPYC
+// (Zen 4), SmolLM2's 30 layers at 48 rows ran 290 GFLOP/s in bfloat16 (16 rows 207, 1 row ~13) where the same
+// CPU reaches ~440 on large matrices; without bfloat16 units oneDNN emulates bfloat16 outright. Here the weight
+// is laid out once in blocks of 32 outputs by 32-bit words of inputs, [ceil(N/32), K/E, 32, E] (E = 2 bfloat16
+// or 1 float32; zero rows pad N), so that one 512-bit load holds 16 outputs' next word, and a register block of
+// 12 rows x 32 outputs meets a broadcast word of each row's inputs (VDPBF16PS over a pair, or FMAs): 24 float32
+// accumulators live in registers over all of K, and the weight block read once per 12 rows stays in L2. Work
+// items (48 rows x 64 or 96 outputs) go to the threads from a shared counter, so a thread that the OS preempts
+// for a moment leaves its share to the other rather than holding it at a barrier. Sums are float32, rounded to
+// bfloat16 once (nearest even), as oneDNN's are.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,7 +22,8 @@
 #include <utility>
 
 #include "cpu_deal.h"
-#if defined(__AVX512BF16__)
+#include <bit>
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -41,25 +44,72 @@ int64_t item_blocks(int64_t nblocks, int64_t row_groups, int64_t threads) {
   return span(3) < span(2) ? 3 : 2;
 }
 
-bool pair_linear_supported() {
+// How one 32-bit word of the weight meets a row's inputs. X_WORDS: 32-bit words of x per weight word (x as the
+// kernel reads it, after `widen`).
+#if defined(__AVX512F__)
+struct Float32 {  // one float32 input a word, FMA (any AVX-512 CPU)
+  using Out = float;
+  static constexpr int X_WORDS = 1;
+  static __m512 step(__m512 acc, const uint32_t* x, __m512i w) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(*x)), _mm512_castsi512_ps(w), acc);
+  }
+  static void store(Out* y, __mmask16 mask, __m512 sum) { _mm512_mask_storeu_ps(y, mask, sum); }
+};
+#endif
 #if defined(__AVX512BF16__)
-  return true;
+struct BFloat16Pairs {  // a pair of bfloat16 inputs a word, VDPBF16PS (AVX512-BF16)
+  using Out = uint16_t;
+  static constexpr int X_WORDS = 1;
+  static __m512 step(__m512 acc, const uint32_t* x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(*x)), (__m512bh)w);
+  }
+  static void store(Out* y, __mmask16 mask, __m512 sum) {  // rounded once, to nearest even
+    _mm256_mask_storeu_epi16(y, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+  }
+};
+#elif defined(__AVX512F__)
+// The same pairs on AVX-512 without bfloat16 arithmetic: each weight word widened to its two float32 values in
+// registers (a bfloat16 is a float32's top half) and two FMAs against x widened to float32 once per call, so
+// the weights stream at half of float32's bytes and the math costs float32's plus a shift and a mask per
+// weight vector (shared by a block's 12 rows).
+struct BFloat16Pairs {
+  using Out = uint16_t;
+  static constexpr int X_WORDS = 2;
+  static __m512 step(__m512 acc, const uint32_t* x, __m512i w) {
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(x[0])), even, acc);
+    return _mm512_fmadd_ps(_mm512_set1_ps(std::bit_cast<float>(x[1])), odd, acc);
+  }
+  static void store(Out* y, __mmask16 mask, __m512 sum) {  // rounded once, to nearest even; NaN stays NaN
+    const __m512i bits = _mm512_castps_si512(sum);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(sum, sum, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+    _mm256_mask_storeu_epi16(y, mask, _mm512_cvtepi32_epi16(rounded));
+  }
+};
+#endif
+
+bool blocked_linear_supported(at::ScalarType dtype) {
+#if defined(__AVX512F__)
+  return dtype == at::kFloat || dtype == at::kBFloat16;
 #else
   return false;
 #endif
 }
 
-#if defined(__AVX512BF16__)
-// R rows of x (K2 pairs of bfloat16 each, as 32-bit words) times one weight block [K2, 32 pairs]
-// -> y[R, n_valid <= 32] bfloat16 (+ bias).
-template <int R>
-void block(const uint32_t* x, const uint32_t* w, int64_t K2, const float* bias, uint16_t* y, int64_t y_stride,
-           int64_t n_valid) {
+#if defined(__AVX512F__)
+// R rows of x (KW 32-bit words of inputs each) times one weight block [KW, 32 words] -> y[R, n_valid <= 32]
+// (+ bias).
+template <typename Words, int R>
+void block(const uint32_t* x, const uint32_t* w, int64_t KW, const float* bias, typename Words::Out* y,
+           int64_t y_stride, int64_t n_valid) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK_N);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + k * BLOCK_N + 16);
+  for (int64_t k = 0; k < KW; ++k) {
+    const __m512i w0 = _mm512_loadu_si512(w + k * BLOCK_N);
+    const __m512i w1 = _mm512_loadu_si512(w + k * BLOCK_N + 16);
     // prefetches never fault past the end; into L2 further ahead: at 1 row (memory-bound) the 30 layers'
     // weights took 7.5-8.1 ms against 8.6-9.7 with the L1 prefetch alone (~28 GB/s, near a plain sum's 32)
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 16) * BLOCK_N), _MM_HINT_T0);
@@ -68,9 +118,9 @@ void block(const uint32_t* x, const uint32_t* w, int64_t K2, const float* bias, 
     _mm_prefetch(reinterpret_cast<const char*>(w + (k + 96) * BLOCK_N + 16), _MM_HINT_T1);
 #pragma GCC unroll 12
     for (int r = 0; r < R; ++r) {
-      const __m512bh pair = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * K2 + k]));
-      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pair, w0);
-      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pair, w1);
+      const uint32_t* xk = x + (r * KW + k) * Words::X_WORDS;
+      acc[r][0] = Words::step(acc[r][0], xk, w0);
+      acc[r][1] = Words::step(acc[r][1], xk, w1);
     }
   }
   const __mmask16 low = n_valid >= 16 ? 0xffff : (1u << n_valid) - 1;
@@ -79,36 +129,38 @@ void block(const uint32_t* x, const uint32_t* w, int64_t K2, const float* bias, 
     for (int half = 0; half < 2; ++half) {
       __m512 sum = acc[r][half];
       if (bias != nullptr) sum = _mm512_add_ps(sum, _mm512_maskz_loadu_ps(half ? high : low, bias + half * 16));
-      _mm256_mask_storeu_epi16(y + r * y_stride + half * 16, half ? high : low, (__m256i)_mm512_cvtneps_pbh(sum));
+      Words::store(y + r * y_stride + half * 16, half ? high : low, sum);
     }
   }
 }
 
-using BlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, uint16_t*, int64_t, int64_t);
-template <int... Rs>
-constexpr std::array<BlockFn, sizeof...(Rs)> blocks_by_rows(std::integer_sequence<int, Rs...>) {
-  return {block<Rs + 1>...};
+// bfloat16 [M, K] -> float32 [M, K] on the kernels' threads (torch's copy would run on its one thread)
+at::Tensor widened(const at::Tensor& x) {
+  at::Tensor out = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  const auto* in = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  auto* bits = reinterpret_cast<uint32_t*>(out.data_ptr());
+  parallel_chunks(0, x.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) bits[i] = static_cast<uint32_t>(in[i]) << 16;
+  });
+  return out;
 }
-constexpr auto BLOCKS = blocks_by_rows(std::make_integer_sequence<int, BLOCK_M>{});  // [R - 1]
-#endif
 
-// x [M, K] bfloat16, weight [ceil(N/32), K/2, 32, 2] bfloat16, bias [N] float32 or none -> [M, N] bfloat16
-at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
-                       const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x: contiguous [M, K] bfloat16");
-  const int64_t M = x.size(0), K = x.size(1), K2 = K / 2, nblocks = weight.size(0);
-  TORCH_CHECK(weight.dim() == 4 && weight.size(1) == K2 && weight.size(2) == BLOCK_N && weight.size(3) == 2 &&
-                  weight.is_contiguous() && weight.scalar_type() == at::kBFloat16 && K % 2 == 0,
-              "weight: [ceil(N/32), K/2, 32, 2] bfloat16 for an even K");
-  TORCH_CHECK(nblocks == (N + BLOCK_N - 1) / BLOCK_N, "N does not match the weight's blocks");
-  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat),
-              "bias: [N] float32");
-  at::Tensor y = at::empty({M, N}, x.options());
-#if defined(__AVX512BF16__)
+template <typename Words>
+using BlockFn = void (*)(const uint32_t*, const uint32_t*, int64_t, const float*, typename Words::Out*, int64_t,
+                         int64_t);
+template <typename Words, int... Rs>
+constexpr std::array<BlockFn<Words>, sizeof...(Rs)> blocks_by_rows(std::integer_sequence<int, Rs...>) {
+  return {block<Words, Rs + 1>...};
+}
+
+template <typename Words>
+void run_blocks(const at::Tensor& x_in, const at::Tensor& weight, const float* bias, at::Tensor& y) {
+  const at::Tensor x = Words::X_WORDS == 1 ? x_in : widened(x_in);
+  static constexpr auto BLOCKS = blocks_by_rows<Words>(std::make_integer_sequence<int, BLOCK_M>{});  // [R - 1]
+  const int64_t M = y.size(0), N = y.size(1), KW = weight.size(1), nblocks = weight.size(0);
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint32_t*>(weight.data_ptr());
-  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  auto* yp = reinterpret_cast<typename Words::Out*>(y.data_ptr());
   const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = deal_threads();
   const int64_t per_item = item_blocks(nblocks, row_groups, threads), nitems = (nblocks + per_item - 1) / per_item;
   const int64_t items = row_groups * nitems;  // row groups outer: a group's x stays in L2
@@ -119,13 +171,35 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
       const int64_t n = b * BLOCK_N;
       for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
         const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-        BLOCKS[rows - 1](xp + m * K2, wp + n * K2, K2, bp ? bp + n : nullptr, yp + m * N + n, N,
+        BLOCKS[rows - 1](xp + m * KW * Words::X_WORDS, wp + n * KW, KW, bias ? bias + n : nullptr, yp + m * N + n, N,
                          std::min(BLOCK_N, N - n));
       }
     }
   });
-#else
-  TORCH_CHECK(false, "pair_linear needs AVX512-BF16 (check pair_linear_supported())");
+}
+#endif
+
+// x [M, K] and weight [ceil(N/32), K/E, 32, E] of one dtype (E inputs a 32-bit word: 2 bfloat16, 1 float32),
+// bias [N] float32 or none -> [M, N] of x's dtype
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
+                          const std::optional<at::Tensor>& bias) {
+  const int64_t per_word = x.scalar_type() == at::kBFloat16 ? 2 : 1;
+  TORCH_CHECK(blocked_linear_supported(x.scalar_type()), "blocked_linear: no kernel for ", x.scalar_type(),
+              " on this CPU (check blocked_linear_supported())");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K]");
+  const int64_t M = x.size(0), K = x.size(1), nblocks = weight.size(0);
+  TORCH_CHECK(weight.dim() == 4 && weight.size(1) * per_word == K && weight.size(2) == BLOCK_N &&
+                  weight.size(3) == per_word && weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
+                  K % per_word == 0,
+              "weight: [ceil(N/32), K/E, 32, E] of x's dtype, E = 4 bytes / its element size");
+  TORCH_CHECK(nblocks == (N + BLOCK_N - 1) / BLOCK_N, "N does not match the weight's blocks");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat),
+              "bias: [N] float32");
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+#if defined(__AVX512F__)
+  if (per_word == 2) run_blocks<BFloat16Pairs>(x, weight, bp, y);
+  else run_blocks<Float32>(x, weight, bp, y);
 #endif
   return y;
 }
@@ -133,6 +207,6 @@ at::Tensor pair_linear(const at::Tensor& x, const at::Tensor& weight, int64_t N,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("pair_linear(Tensor x, Tensor weight, int N, Tensor? bias) -> Tensor", &pair_linear);
-  m.def("pair_linear_supported() -> bool", &pair_linear_supported);
+  m.def("blocked_linear(Tensor x, Tensor weight, int N, Tensor? bias) -> Tensor", &blocked_linear);
+  m.def("blocked_linear_supported(ScalarType dtype) -> bool", &blocked_linear_supported);
 }

@@ -7,7 +7,7 @@ off, even when nothing is left for it to do: a served W1 decode step ran ~18 ms 
 the serving processes took ~14 ms of CPU a step. kvloom's kernels deal their work as items
 (kernels/cpu_deal.h); on the item pool a call is over once its items are, and the threads still running
 take the descheduled one's share. The pool runs only kvloom's kernels, so it is used where they are all
-a step's heavy work: every linear is the pair GEMM (bfloat16 on AVX512-BF16 without AMX). Elsewhere
+a step's heavy work: every linear is the blocked GEMM (AVX-512 CPUs without AMX). Elsewhere
 oneDNN's GEMMs need torch's team, and two teams spinning on the same cores would take turns at them, so
 the pool stays off. While it is on, torch keeps one thread (the small ops left to it run inline).
 """

@@ -1,9 +1,9 @@
 """kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
 
-The fused C++ rotary and residual-add + RMSNorm ops and the greedy row argmax equal their torch definitions; a linear
-run by oneDNN (packed, or shared with a tied embedding) equals F.linear at every row count a step can have, and a
-bfloat16 one takes the layout of the CPU's fastest unit (kvloom's pair kernel on AVX512-BF16 without AMX, within
-bfloat16's rounding of a float32 product, the same bits on any thread count); RoPE tables equal transformers' for
+The fused C++ rotary and residual-add + RMSNorm ops and the greedy row argmax equal their torch definitions; a
+linear takes the layout of the CPU's fastest unit (oneDNN, packed or shared with a tied embedding; kvloom's blocked
+kernel on AVX-512 without AMX, within float32's or bfloat16's rounding of a float64 product, the same bits on any
+thread count) and equals F.linear at every row count a step can have; RoPE tables equal transformers' for
 every variant the decoder runs; architectures the decoder covers (Llama, Qwen2 with its QKV biases) run fused and match
 `generate` token for token, and load without transformers' model classes; one it does not cover (Qwen3's per-head q/k
 norms) runs the stock forward under `auto` and is refused, with the reason, under `model_impl="kvloom"`.
@@ -30,7 +30,7 @@ from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops, packed_linear
 from kvloom.kernels.host_isa import HostISA, host_isa
 from kvloom.kernels.metadata import AttentionMetadata
-from kvloom.kernels.packed_linear import Layout, PackedLinear, to_pairs
+from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -109,26 +109,34 @@ def test_cpp_argmax_picks_each_rows_first_maximum_as_torch_max_does(dtype, vocab
     assert native.dtype == torch.int64 and torch.equal(native, logits.max(dim=-1).indices)
 
 
+def blocked_kernel_runs(dtype: torch.dtype) -> bool:
+    """This host's build of kvloom's blocked GEMM has a kernel for `dtype` (AVX-512 CPUs)."""
+    ops = packed_linear.gemm_extension()
+    return ops is not None and ops.blocked_linear_supported(dtype)
+
+
+def layout_for(isa: HostISA, dtype: torch.dtype) -> Layout:
+    """AMX tiles through oneDNN where the CPU has them; kvloom's blocked kernel on other AVX-512 CPUs (oneDNN is
+    weak there at decode's row counts, and emulates bfloat16 without AVX512-BF16); elsewhere oneDNN, or dense
+    bfloat16 where oneDNN would emulate it."""
+    if "avx512f" in isa.flags and not isa.amx_bf16 and blocked_kernel_runs(dtype):
+        return Layout.BLOCKED
+    onednn = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or isa.fast_bfloat16)
+    return Layout.ONEDNN if onednn else Layout.DENSE
+
+
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("make", [PackedLinear.pack, PackedLinear.share])
-def test_onednn_linear_equals_f_linear(rows, with_bias, make):
+def test_float32_linear_equals_f_linear(rows, with_bias, make):
+    """Packed in this host's layout, or oneDNN reading the weight as it is (shared)."""
     torch.manual_seed(0)
     weight, x = torch.randn(96, 40), torch.randn(rows, 40)
     bias = torch.randn(96) if with_bias else None
     linear = make(weight, bias)
-    onednn = Layout.ONEDNN if make == PackedLinear.pack else Layout.SHARED
-    assert linear.layout is (onednn if torch.backends.mkldnn.is_available() else Layout.DENSE), \
-        "float32 CPU weights run on oneDNN wherever it is built"
+    shared = Layout.SHARED if torch.backends.mkldnn.is_available() else Layout.DENSE
+    assert linear.layout is (layout_for(host_isa(), torch.float32) if make == PackedLinear.pack else shared)
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
-
-
-def bfloat16_layout_for(isa: HostISA) -> Layout:
-    """AMX tiles through oneDNN where the CPU has them; kvloom's pair kernel on AVX512-BF16 without AMX
-    (oneDNN is weak there below a few hundred rows); dense where bfloat16 would be emulated."""
-    if isa.amx_bf16:
-        return Layout.ONEDNN
-    return Layout.PAIRS if isa.avx512_bf16 else Layout.DENSE
 
 
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
@@ -137,49 +145,54 @@ def test_bfloat16_linear_matches_a_float32_reference(rows):
     torch.manual_seed(0)
     weight, x = torch.randn(96, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
     linear = PackedLinear.pack(weight)
-    assert linear.layout is bfloat16_layout_for(host_isa())
+    assert linear.layout is layout_for(host_isa(), torch.bfloat16)
     out = linear(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=0.1, rtol=1e-2)
 
 
-@pytest.mark.parametrize("flags", ["avx2 avx512f amx_bf16 amx_tile avx512_bf16", "avx2 avx512f", "avx2"])
-def test_bfloat16_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags):
+@pytest.mark.parametrize("flags", ["avx2 avx512f amx_bf16 amx_tile avx512_bf16", "avx2 avx512f avx512_bf16",
+                                   "avx2 avx512f", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags, dtype):
     isa = HostISA("fake", frozenset(flags.split()))
     monkeypatch.setattr(packed_linear, "host_isa", lambda: isa)
-    layout = PackedLinear.pack(torch.randn(64, 32).bfloat16()).layout
-    assert layout is (bfloat16_layout_for(isa) if torch.backends.mkldnn.is_available() else Layout.DENSE)
+    assert PackedLinear.pack(torch.randn(64, 32).to(dtype)).layout is layout_for(isa, dtype)
 
 
-PAIR_KERNEL = pytest.mark.skipif(
-    not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
-    reason="the pair kernel needs AVX512-BF16")
+def blocked_kernel(dtype: torch.dtype):
+    return pytest.param(dtype, id=str(dtype).removeprefix("torch."), marks=pytest.mark.skipif(
+        not blocked_kernel_runs(dtype), reason="the blocked kernel needs AVX-512"))
 
 
-@PAIR_KERNEL
+BLOCKED_DTYPES = [blocked_kernel(torch.float32), blocked_kernel(torch.bfloat16)]
+
+
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 48, 49, 300])
 @pytest.mark.parametrize("outputs", [32, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_the_pair_kernel_matches_a_float32_reference(rows, outputs, with_bias):
-    """Every row block (1-12 rows) and a last block of outputs padded past the weight's rows; the bias added
-    in float32 before the one rounding to bfloat16."""
+def test_the_blocked_kernel_matches_a_float64_reference(dtype, rows, outputs, with_bias):
+    """Every row block (1-12 rows) and a last block of outputs padded past the weight's rows; the bias added in
+    float32 before the one rounding to bfloat16 (within half a bfloat16 step), or float32 throughout."""
     torch.manual_seed(0)
-    weight, x = torch.randn(outputs, 258).bfloat16(), torch.randn(rows, 258).bfloat16()
-    bias = torch.randn(outputs).bfloat16() if with_bias else None
-    linear = PackedLinear(to_pairs(weight), None if bias is None else bias.float(), Layout.PAIRS, outputs)
+    weight, x = torch.randn(outputs, 258).to(dtype), torch.randn(rows, 258).to(dtype)
+    bias = torch.randn(outputs).to(dtype) if with_bias else None
+    linear = PackedLinear(to_blocked(weight), None if bias is None else bias.float(), Layout.BLOCKED, outputs)
     out = linear(x)
-    assert out.dtype == torch.bfloat16 and out.shape == (rows, outputs)
-    expected = x.float() @ weight.float().T + (0 if bias is None else bias.float())
-    torch.testing.assert_close(out.float(), expected, atol=0.1, rtol=1e-2)
+    assert out.dtype == dtype and out.shape == (rows, outputs)
+    expected = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    rounding = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=rounding)
 
 
-@PAIR_KERNEL
-def test_the_pair_kernel_gives_the_same_bits_on_any_thread_count(kernel_threads):
+@pytest.mark.parametrize("dtype", BLOCKED_DTYPES)
+def test_the_blocked_kernel_gives_the_same_bits_on_any_thread_count(kernel_threads, dtype):
     """Work items go to whichever thread asks first, but each output is one thread's sum in one order, on
     torch's OpenMP team or kvloom's item pool."""
     torch.manual_seed(0)
-    weight, x = torch.randn(3072, 576).bfloat16(), torch.randn(100, 1152).bfloat16()[:, ::2]  # not contiguous
-    linear = PackedLinear(to_pairs(weight), None, Layout.PAIRS, 3072)
+    weight, x = torch.randn(3072, 576).to(dtype), torch.randn(100, 1152).to(dtype)[:, ::2]  # not contiguous
+    linear = PackedLinear(to_blocked(weight), None, Layout.BLOCKED, 3072)
     results = []
     for pool in (False, True):
         for n in (1, 2, 3):
@@ -188,25 +201,31 @@ def test_the_pair_kernel_gives_the_same_bits_on_any_thread_count(kernel_threads)
     assert all(torch.equal(results[0], r) for r in results[1:])
 
 
-def test_a_tied_lm_head_reads_the_embedding_table_itself(tmp_path, build_tiny_model, greedy_reference, drive):
-    """In float32, no second copy of the table: the head's weight is the very tensor the embedding lookup reads."""
+def test_a_tied_float32_lm_head_reads_the_embedding_table_itself_where_onednn_runs_it(
+        tmp_path, build_tiny_model, greedy_reference, drive):
+    """In float32 under oneDNN, no second copy of the table: the head's weight is the very tensor the embedding
+    lookup reads. Where kvloom's blocked kernel runs every linear, the head is a blocked copy (every GEMM of a
+    step on kvloom's own threads)."""
     model_dir = build_tiny_model(tmp_path, tied=True)
     engine = LLMEngine(dtype="float32", model=str(model_dir), block_size=4)
     fused = engine.decoder
-    assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
+    if layout_for(host_isa(), torch.float32) is Layout.BLOCKED:
+        assert fused.lm_head.layout is Layout.BLOCKED and fused.runs_on_own_kernels()
+    else:
+        assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(model_dir, PROMPTS, 16)
 
 
 def test_a_bfloat16_model_keeps_its_residual_and_norms_in_float32(tmp_path, build_tiny_model, drive):
-    """bfloat16 GEMMs (a tied head packed for AMX where the CPU has bfloat16 units: 2x the dense one), float32
-    residual stream and norm weights."""
+    """bfloat16 GEMMs (a tied head packed where a kernel of the CPU's runs bfloat16 fast: 2x the dense one),
+    float32 residual stream and norm weights."""
     model_dir = build_tiny_model(tmp_path, tied=True)
     engine = LLMEngine(dtype="bfloat16", model=str(model_dir), block_size=4)
     fused = engine.decoder
     assert fused.embed.dtype == torch.bfloat16 and fused.final_norm.dtype == torch.float32
     assert all(layer.input_norm.dtype == layer.post_attention_norm.dtype == torch.float32 for layer in fused.layers)
-    assert fused.lm_head.packed == (torch.backends.mkldnn.is_available() and host_isa().fast_bfloat16)
+    assert fused.lm_head.packed == (layout_for(host_isa(), torch.bfloat16) is not Layout.DENSE)
     meta = AttentionMetadata.build([3], [3], [[0]], 4, torch.device("cpu"))
     hidden = fused(torch.tensor([5, 9, 13]), torch.arange(3), ForwardContext(meta, engine.runner.kv_caches,
                                                                              engine.runner.backend))

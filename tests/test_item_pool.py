@@ -10,18 +10,18 @@ import torch
 
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.kernels import item_pool, packed_linear
-from kvloom.kernels.host_isa import host_isa
-from kvloom.kernels.packed_linear import Layout, PackedLinear, to_pairs
+from kvloom.kernels.host_isa import HostISA
+from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
 
-PAIR_KERNEL = pytest.mark.skipif(
-    not (host_isa().avx512_bf16 and packed_linear.gemm_extension().pair_linear_supported()),
-    reason="the pair kernel needs AVX512-BF16")
+BLOCKED_KERNEL = pytest.mark.skipif(
+    not (packed_linear.gemm_extension() and packed_linear.gemm_extension().blocked_linear_supported(torch.bfloat16)),
+    reason="the blocked kernel needs AVX-512")
 
 
-def pair_linear_case(seed: int = 0, rows: int = 70) -> tuple[PackedLinear, torch.Tensor]:
+def blocked_linear_case(seed: int = 0, rows: int = 70) -> tuple[PackedLinear, torch.Tensor]:
     torch.manual_seed(seed)
     weight, x = torch.randn(1536, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
-    return PackedLinear(to_pairs(weight), None, Layout.PAIRS, 1536), x
+    return PackedLinear(to_blocked(weight), None, Layout.BLOCKED, 1536), x
 
 
 def test_the_pool_takes_torchs_threads_and_gives_them_back(kernel_threads):
@@ -34,20 +34,21 @@ def test_the_pool_takes_torchs_threads_and_gives_them_back(kernel_threads):
     assert (item_pool.pool_threads(), torch.get_num_threads(), item_pool.intra_op_threads()) == (0, 2, 2)
 
 
-@PAIR_KERNEL
-def test_a_bfloat16_engine_on_the_pair_kernel_runs_on_the_pool_and_a_float32_one_on_openmp(
-        tiny_model_dir, kernel_threads):
+@BLOCKED_KERNEL
+def test_an_engine_on_the_blocked_kernel_runs_on_the_pool_and_one_on_onednn_on_openmp(
+        tiny_model_dir, kernel_threads, monkeypatch):
     kernel_threads(2, pool=False)
     LLMEngine(dtype="bfloat16", model=str(tiny_model_dir), block_size=4)
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
+    monkeypatch.setattr(packed_linear, "host_isa", lambda: HostISA("AVX2 only", frozenset({"avx2"})))
     LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)  # oneDNN's GEMMs need torch's team
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (0, 2)
 
 
-@PAIR_KERNEL
+@BLOCKED_KERNEL
 def test_kernels_called_from_two_threads_at_once_both_get_their_answer(kernel_threads):
     """One call holds the pool; the other, meanwhile, runs on its own thread."""
-    cases = [pair_linear_case(seed) for seed in (1, 2)]
+    cases = [blocked_linear_case(seed) for seed in (1, 2)]
     expected = [linear(x) for linear, x in cases]
     kernel_threads(2, pool=True)
     results: dict[tuple[int, int], torch.Tensor] = {}
@@ -67,7 +68,7 @@ def test_kernels_called_from_two_threads_at_once_both_get_their_answer(kernel_th
 def _child_result(queue) -> None:
     """In a forked child: a call (it must start a worker: the parent's do not exist here), then another thread
     count (stopping the child's workers must not wait for the parent's) and a call on it."""
-    linear, x = pair_linear_case()
+    linear, x = blocked_linear_case()
     threads = lambda: len(os.listdir("/proc/self/task"))  # noqa: E731
     before = threads()
     first = linear(x)
@@ -76,10 +77,10 @@ def _child_result(queue) -> None:
     queue.put((started, first.float().tolist(), linear(x).float().tolist()))  # plain data: the child exits first
 
 
-@PAIR_KERNEL
+@BLOCKED_KERNEL
 def test_a_forked_child_starts_workers_of_its_own(kernel_threads):
     """The parent's workers do not exist in a fork: the child's first call starts its own."""
-    linear, x = pair_linear_case()
+    linear, x = blocked_linear_case()
     kernel_threads(2, pool=True)
     expected = linear(x)  # the parent's workers are running
     context = multiprocessing.get_context("fork")
@@ -92,9 +93,9 @@ def test_a_forked_child_starts_workers_of_its_own(kernel_threads):
     assert first == second == expected.float().tolist()
 
 
-@PAIR_KERNEL
+@BLOCKED_KERNEL
 def test_a_changed_thread_count_restarts_the_workers(kernel_threads):
-    linear, x = pair_linear_case()
+    linear, x = blocked_linear_case()
     expected = linear(x)
     for threads in (2, 3, 1, 2):
         kernel_threads(threads, pool=True)
