@@ -15,12 +15,11 @@ would accumulate, and at 576 floats per token it costs next to nothing to keep w
 
 It reads the safetensors file directly rather than through transformers' model classes, whose import
 alone costs ~180 MB per process (see `model_config.py`). Each source weight is released as soon as it is
-packed, so nothing is held twice. An untied LM head is packed too; in float32 under oneDNN a head tied to
-the embedding table runs oneDNN on the table itself (in bfloat16, or where kvloom's blocked kernel runs
-every linear, it gets a packed copy, where the faster kernels pay for the table's size). A packed float32 copy would be ~10% faster, but the lookup reads the dense
-table: releasing its pages does not keep them out (the kernel maps a whole page-cache folio back on
-each touch; a few thousand distinct tokens bring back nearly all of it), so the copy would cost the
-table's size.
+packed, so nothing is held twice. An untied LM head is packed too. A head tied to the embedding table gets a
+packed copy in bfloat16, or where kvloom's blocked kernel runs every linear (a step's GEMMs all on kvloom's own
+threads; the copy costs the table's size: the lookup reads the dense table, and releasing its pages does not keep
+them out, as the kernel maps a whole page-cache folio back on each touch). In float32 under oneDNN it runs oneDNN
+on the table itself, at ~90% of a packed copy's speed.
 
 Architectures whose layers do more (Qwen3's per-head q/k norms, biased output or MLP projections,
 activations other than SiLU, length-dependent RoPE) keep the stock forward: `FusedDecoder.unsupported`
@@ -159,7 +158,8 @@ class FusedDecoder:
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def runs_on_own_kernels(self) -> bool:
-        """Every linear is kvloom's blocked GEMM: a CPU step's heavy work is all kvloom's kernels (kernels/item_pool.py)."""
+        """Every linear is kvloom's blocked GEMM: a CPU step's heavy work is all kvloom's kernels
+        (kernels/item_pool.py)."""
         linears = [self.lm_head] + [linear for layer in self.layers
                                     for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
         return all(linear.layout is Layout.BLOCKED for linear in linears)

@@ -17,12 +17,12 @@
 #include <torch/library.h>
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstdint>
 #include <optional>
 #include <utility>
 
 #include "cpu_deal.h"
-#include <bit>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -45,7 +45,7 @@ int64_t item_blocks(int64_t nblocks, int64_t row_groups, int64_t threads) {
 }
 
 // How one 32-bit word of the weight meets a row's inputs. X_WORDS: 32-bit words of x per weight word (x as the
-// kernel reads it, after `widen`).
+// kernel reads it, after `widened`).
 #if defined(__AVX512F__)
 struct Float32 {  // one float32 input a word, FMA (any AVX-512 CPU)
   using Out = float;
@@ -171,8 +171,8 @@ void run_blocks(const at::Tensor& x_in, const at::Tensor& weight, const float* b
       const int64_t n = b * BLOCK_N;
       for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
         const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-        BLOCKS[rows - 1](xp + m * KW * Words::X_WORDS, wp + n * KW, KW, bias ? bias + n : nullptr, yp + m * N + n, N,
-                         std::min(BLOCK_N, N - n));
+        BLOCKS[rows - 1](xp + m * KW * Words::X_WORDS, wp + n * KW, KW, bias ? bias + n : nullptr,
+                         yp + m * N + n, N, std::min(BLOCK_N, N - n));
       }
     }
   });

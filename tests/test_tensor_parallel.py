@@ -167,11 +167,15 @@ def test_each_rank_holds_its_share_of_the_weights_and_only_its_kv_heads(single_r
     reports = engine.runner.reports
     assert len(reports) == ranks
     shares = [r.weight_bytes / whole for r in reports]
-    # the norms (0.03% of the model) are on every rank; the rest splits: TP=3 evenly; TP=2 0.533 / 0.467
-    # (two thirds of the attention weights on rank 0, half of everything else)
-    expected = {2: [0.533, 0.467], 3: [1 / 3] * 3}[ranks]
-    assert shares == pytest.approx(expected, abs=0.002)
+    # the norms (0.03% of the model) are on every rank; the rest splits: TP=3 evenly; TP=2 two thirds of the
+    # attention weights on rank 0 (6 of 9 query heads, 2 of 3 KV heads) and half of everything else (0.533 / 0.467
+    # where the head shares the embedding table, 0.527 / 0.473 where it is a packed copy)
     config = ModelConfig.from_dir(smollm2_dir)
+    heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+    attention = 4 * config.num_hidden_layers * hidden * config.head_dim * 2 * (heads + kv_heads)  # float32 bytes
+    rank0_of_two = (attention * 2 / 3 + (whole - attention) / 2) / whole
+    expected = {2: [rank0_of_two, 1 - rank0_of_two], 3: [1 / 3] * 3}[ranks]
+    assert shares == pytest.approx(expected, abs=0.002)
     per_head = 2 * config.num_hidden_layers * engine.num_blocks * 16 * config.head_dim * 4
     assert [r.kv_bytes for r in reports] == [r.shard.num_kv_heads * per_head for r in reports]
     assert engine.runner.kv_caches[0][0].shape[2] == reports[0].shard.num_kv_heads
