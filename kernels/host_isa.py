@@ -42,6 +42,11 @@ class HostISA:
         return "avx512_bf16" in self.flags
 
     @property
+    def avx512(self) -> bool:
+        """512-bit vectors (AVX-512 Foundation): kvloom's blocked GEMM builds here."""
+        return "avx512f" in self.flags
+
+    @property
     def fast_bfloat16(self) -> bool:
         """bfloat16 matrix math in hardware (AMX tiles or AVX512-BF16), so halving the weight bytes pays."""
         return self.amx_bf16 or self.avx512_bf16
@@ -59,7 +64,7 @@ class HostISA:
         the model's first two words and its fastest matrix unit (`intel-xeon-amx`, `amd-epyc-avx512bf16`)."""
         words = re.sub(r"\((R|TM)\)", "", self.model_name).lower().split()[:2]
         unit = next((tag for tag, present in (
-            ("amx", self.amx_bf16), ("avx512bf16", self.avx512_bf16), ("avx512", "avx512f" in self.flags),
+            ("amx", self.amx_bf16), ("avx512bf16", self.avx512_bf16), ("avx512", self.avx512),
             ("avx2", "avx2" in self.flags), ("sve", "sve" in self.flags), ("neon", "asimd" in self.flags),
         ) if present), "generic")
         return "-".join([*(re.sub(r"[^a-z0-9]", "", w) for w in words), unit])
@@ -83,8 +88,4 @@ def auto_cpu_dtype(isa: HostISA) -> str:
     hardware multiplies it, and on any AVX-512 CPU: kvloom's blocked GEMM widens bfloat16 weights to float32 in
     registers there, so they stream at half the bytes for float32's math (on a 2-core Xeon without bfloat16
     units, W1 offline ~13% faster than float32 and a batch-1 decode step 1.6x)."""
-    return "bfloat16" if bfloat16_pays(isa) else "float32"
-
-
-def bfloat16_pays(isa: HostISA) -> bool:
-    return isa.fast_bfloat16 or "avx512f" in isa.flags
+    return "bfloat16" if isa.fast_bfloat16 or isa.avx512 else "float32"

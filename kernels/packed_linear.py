@@ -65,7 +65,7 @@ def blocked_fits(weight: torch.Tensor) -> bool:
     (AMX, through oneDNN, is several times faster than any vector kernel in bfloat16, and oneDNN's float32
     there was not measured against this one), bfloat16 with an even input width or float32."""
     isa = host_isa()
-    if not (weight.device.type == "cpu" and weight.dim() == 2 and "avx512f" in isa.flags and not isa.amx_bf16):
+    if not (weight.device.type == "cpu" and weight.dim() == 2 and isa.avx512 and not isa.amx_bf16):
         return False
     if not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)):
         return False

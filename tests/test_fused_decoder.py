@@ -119,7 +119,7 @@ def layout_for(isa: HostISA, dtype: torch.dtype) -> Layout:
     """AMX tiles through oneDNN where the CPU has them; kvloom's blocked kernel on other AVX-512 CPUs (oneDNN is
     weak there at decode's row counts, and emulates bfloat16 without AVX512-BF16); elsewhere oneDNN, or dense
     bfloat16 where oneDNN would emulate it."""
-    if "avx512f" in isa.flags and not isa.amx_bf16 and blocked_kernel_runs(dtype):
+    if isa.avx512 and not isa.amx_bf16 and blocked_kernel_runs(dtype):
         return Layout.BLOCKED
     onednn = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or isa.fast_bfloat16)
     return Layout.ONEDNN if onednn else Layout.DENSE
