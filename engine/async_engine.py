@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread
-from kvloom.engine.errors import EngineDeadError
+from kvloom.engine.errors import EngineDeadError, InvalidRequestError
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
@@ -31,7 +31,7 @@ T = TypeVar("T")
 
 @dataclass
 class FailedRequest:
-    """A request the engine refused after it was queued (e.g. a duplicate id): it ends here."""
+    """A request the engine refused after it was queued (e.g. a continuation it cannot resume): it ends here."""
 
     request_id: str
     error: Exception
@@ -100,9 +100,10 @@ class OutputBatches:
         self._error: BaseException | None = None
 
     def add(self, request: Request, start: Callable[[LLMEngine], None] | None = None) -> None:
-        """Queue `request` on the engine (by `start`, if given); its outputs come out of `next_batch`."""
-        self.live.add(request.request_id)
+        """Queue `request` on the engine (by `start`, if given); its outputs come out of `next_batch`.
+        Raises InvalidRequestError, queuing nothing, for an id that is still streaming."""
         self.engine._open(request, self, start)
+        self.live.add(request.request_id)
 
     def forget(self, request_id: str) -> None:
         """Abort a request (if it still runs) and drop its outputs from now on."""
@@ -220,6 +221,10 @@ class AsyncLLMEngine:
 
     def _open(self, request: Request, sink: "_Stream | OutputBatches",
               start: Callable[[LLMEngine], None] | None = None) -> None:
+        """Refused here, not on the engine thread, while the id still streams: its twin would take over
+        the stream, and failing or closing the twin would then abort the original."""
+        if request.request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self._streams[request.request_id] = sink
         self._send(start or (lambda engine: engine.add_prepared(request)), sink, request.request_id)
 
@@ -278,7 +283,7 @@ class AsyncLLMEngine:
                 return
             try:
                 fn(self.engine)
-            except Exception as exc:  # e.g. a duplicate id: fail that request only
+            except Exception as exc:  # a request the engine refuses: fail that request only
                 if errors_to is None:
                     raise
                 errors_to.fail(exc, request_id)

@@ -181,13 +181,13 @@ class EngineReplica:
         """Queue a request whose chunks go out on `channel` (see `outputs`). Answers which replica took it,
         or an error chunk for bad input (so the router can answer 400 before any byte is sent). With
         `output_token_ids` (and `emitted_chars`) it continues a stream whose replica died."""
+        output, emitted = request.get("output_token_ids"), request.get("emitted_chars", 0)
         try:
             req = self.make_request(request)
+            start = (lambda engine: engine.add_continued(req, output, emitted)) if output else None
+            self._channel(channel).add(req, start)
         except (InvalidRequestError, ValueError) as exc:
             return self.error_chunk(exc)
-        output, emitted = request.get("output_token_ids"), request.get("emitted_chars", 0)
-        start = (lambda engine: engine.add_continued(req, output, emitted)) if output else None
-        self._channel(channel).add(req, start)
         return {"replica": self.replica_id}
 
     async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[dict]:

@@ -110,16 +110,37 @@ async def test_closing_output_batches_aborts_their_requests_and_frees_blocks(asy
 
 
 async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engine):
+    """Refused on the engine thread (a continuation longer than its max_tokens): a FailedRequest in the batch;
+    the request beside it runs to its end."""
     batches = OutputBatches(async_engine)
-    params = SamplingParams(max_tokens=3, temperature=0)
-    request = async_engine.engine.make_request("twice", [7, 8, 9], params)
-    batches.add(request)
-    batches.add(async_engine.engine.make_request("twice", [7, 8, 9], params))  # the id is already running
-    outcomes = []
-    while batches.live or not outcomes:
-        outcomes += await batches.next_batch()
-    assert any(isinstance(o, FailedRequest) and "already running" in str(o.error) for o in outcomes)
-    async_engine.check_health()
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    batches.add(async_engine.engine.make_request("fine", [7, 8, 9], params))
+    refused = async_engine.engine.make_request("refused", [7, 8, 9], params)
+    batches.add(refused, start=lambda engine: engine.add_continued(refused, [5, 6, 7], 0))
+    outcomes = {}
+    while batches.live:
+        outcomes.update((o.request_id, o) for o in await batches.next_batch())
+    assert isinstance(outcomes["refused"], FailedRequest) and "max_tokens is 3" in str(outcomes["refused"].error)
+    assert outcomes["fine"].finished and len(outcomes["fine"].outputs[0].token_ids) == 3
+    await assert_everything_freed(async_engine)
+
+
+async def test_an_id_still_streaming_is_refused_at_once_and_the_first_runs_on(async_engine):
+    """The twin is refused before anything is queued: it neither takes over the first one's outputs nor,
+    when its own batch closes, aborts it."""
+    first, twins = OutputBatches(async_engine), OutputBatches(async_engine)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    first.add(async_engine.engine.make_request("twice", [7, 8, 9], params))
+    with pytest.raises(InvalidRequestError, match="request_id: 'twice' is already running"):
+        twins.add(async_engine.engine.make_request("twice", [7, 8, 9], params))
+    with pytest.raises(InvalidRequestError, match="already running"):
+        await collect(async_engine, [7, 8, 9], params, request_id="twice")
+    twins.close()
+    tokens = []
+    while first.live:
+        tokens += [t for o in await first.next_batch() for t in o.outputs[0].delta_token_ids]
+    assert len(tokens) == 20
+    await assert_everything_freed(async_engine)
 
 
 def test_an_async_engine_warms_up_before_it_takes_requests(tiny_model_dir):
