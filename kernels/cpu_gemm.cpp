@@ -189,8 +189,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& weight, int64_t
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K]");
   const int64_t M = x.size(0), K = x.size(1), nblocks = weight.size(0);
   TORCH_CHECK(weight.dim() == 4 && weight.size(1) * per_word == K && weight.size(2) == BLOCK_N &&
-                  weight.size(3) == per_word && weight.is_contiguous() && weight.scalar_type() == x.scalar_type() &&
-                  K % per_word == 0,
+                  weight.size(3) == per_word && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
               "weight: [ceil(N/32), K/E, 32, E] of x's dtype, E = 4 bytes / its element size");
   TORCH_CHECK(nblocks == (N + BLOCK_N - 1) / BLOCK_N, "N does not match the weight's blocks");
   TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat),

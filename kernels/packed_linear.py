@@ -60,6 +60,12 @@ def gemm_extension():
     return build_extension("kvloom_cpu_gemm")
 
 
+def blocked_kernel_built(dtype: torch.dtype) -> bool:
+    """This host's build of the blocked GEMM has a kernel for `dtype` (it needs AVX-512)."""
+    ops = gemm_extension()
+    return ops is not None and ops.blocked_linear_supported(dtype)
+
+
 def blocked_fits(weight: torch.Tensor) -> bool:
     """kvloom's blocked kernel runs this weight and beats oneDNN here: on an AVX-512 CPU without AMX tiles
     (AMX, through oneDNN, is several times faster than any vector kernel in bfloat16, and oneDNN's float32
@@ -69,8 +75,7 @@ def blocked_fits(weight: torch.Tensor) -> bool:
         return False
     if not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)):
         return False
-    ops = gemm_extension()
-    return ops is not None and ops.blocked_linear_supported(weight.dtype)
+    return blocked_kernel_built(weight.dtype)
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops, packed_linear
 from kvloom.kernels.host_isa import HostISA, host_isa
 from kvloom.kernels.metadata import AttentionMetadata
-from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
+from kvloom.kernels.packed_linear import Layout, PackedLinear, blocked_kernel_built, to_blocked
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -109,17 +109,11 @@ def test_cpp_argmax_picks_each_rows_first_maximum_as_torch_max_does(dtype, vocab
     assert native.dtype == torch.int64 and torch.equal(native, logits.max(dim=-1).indices)
 
 
-def blocked_kernel_runs(dtype: torch.dtype) -> bool:
-    """This host's build of kvloom's blocked GEMM has a kernel for `dtype` (AVX-512 CPUs)."""
-    ops = packed_linear.gemm_extension()
-    return ops is not None and ops.blocked_linear_supported(dtype)
-
-
 def layout_for(isa: HostISA, dtype: torch.dtype) -> Layout:
     """AMX tiles through oneDNN where the CPU has them; kvloom's blocked kernel on other AVX-512 CPUs (oneDNN is
     weak there at decode's row counts, and emulates bfloat16 without AVX512-BF16); elsewhere oneDNN, or dense
     bfloat16 where oneDNN would emulate it."""
-    if isa.avx512 and not isa.amx_bf16 and blocked_kernel_runs(dtype):
+    if isa.avx512 and not isa.amx_bf16 and blocked_kernel_built(dtype):
         return Layout.BLOCKED
     onednn = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or isa.fast_bfloat16)
     return Layout.ONEDNN if onednn else Layout.DENSE
@@ -162,7 +156,7 @@ def test_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags, dt
 
 def blocked_kernel(dtype: torch.dtype):
     return pytest.param(dtype, id=str(dtype).removeprefix("torch."), marks=pytest.mark.skipif(
-        not blocked_kernel_runs(dtype), reason="the blocked kernel needs AVX-512"))
+        not blocked_kernel_built(dtype), reason="the blocked kernel needs AVX-512"))
 
 
 BLOCKED_DTYPES = [blocked_kernel(torch.float32), blocked_kernel(torch.bfloat16)]
