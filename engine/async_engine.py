@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from kvloom.engine.config import EngineConfig
-from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread
+from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread, schedule_normally
 from kvloom.engine.errors import EngineDeadError, InvalidRequestError
 from kvloom.engine.llm_engine import EngineStats, LLMEngine
 from kvloom.engine.outputs import RequestOutput
@@ -308,6 +308,7 @@ class AsyncLLMEngine:
 
     def _run(self, config: EngineConfig) -> None:
         name_os_thread(self._thread.name)
+        schedule_normally()
         if self.num_threads:
             set_intra_op_threads(self.num_threads)
         try:

@@ -52,3 +52,15 @@ def name_os_thread(name: str) -> None:
         ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
     except (OSError, AttributeError):  # not Linux
         pass
+
+
+def schedule_normally() -> None:
+    """Move the calling thread, and so the pool and OpenMP workers it starts, from Linux's SCHED_BATCH class
+    (which `kvloom serve`'s own Ray cluster runs in, see cluster/serve_command.py) back to the normal one: an
+    engine thread that wakes (a pool worker given items, the step loop taking the GIL back) must preempt Ray's
+    batch threads, not wait for the next tick behind them."""
+    try:
+        if os.sched_getscheduler(0) == os.SCHED_BATCH:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux
+        pass

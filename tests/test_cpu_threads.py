@@ -50,3 +50,22 @@ def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
     thread.join()
     torch.set_num_threads(threads)
     assert seen.count(cpu_threads.ENGINE_THREAD_NAME) >= 2, seen  # the thread and at least one OpenMP worker
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+def test_an_engine_thread_leaves_the_batch_class_and_its_workers_start_in_the_normal_one():
+    """`kvloom serve`'s Ray cluster runs as SCHED_BATCH; an engine's threads must still preempt it when they wake."""
+    def engine_thread():
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # inherited from the process, as in a replica
+        seen.append(os.sched_getscheduler(0))
+        cpu_threads.schedule_normally()
+        seen.append(os.sched_getscheduler(0))
+        worker = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        worker.start()
+        worker.join()
+
+    seen: list[int] = []
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    assert seen == [os.SCHED_BATCH, os.SCHED_OTHER, os.SCHED_OTHER]

@@ -4,9 +4,11 @@ ready, and SIGTERM drains: new requests get 503 while the ones in flight finish,
 exits. With `--log-format json` every console line is a JSON object. Real processes, real HTTP."""
 
 import json
+import os
 import signal
 import subprocess
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ import pytest
 
 from kvloom.benchmarks.process_tree import stop_tree, wait_for
 from kvloom.cluster.ports import free_port
+from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -87,6 +90,34 @@ def test_a_streamed_chat_reaches_the_client_through_the_direct_port(served):
     log = served.log.read_text()
     assert "kvloom is serving smollm2" in log and "KV blocks" in log
     assert "report_replica_stats" not in log and "submit" not in log  # no access-log line per internal call
+
+
+def scheduling_classes(process: psutil.Process) -> dict[tuple[str, str], set[int]]:
+    """The scheduling classes of the threads of `process` and the processes under it, by (command line, thread name)."""
+    classes: dict[tuple[str, str], set[int]] = {}
+    for member in [process, *process.children(recursive=True)]:
+        try:
+            command, threads = " ".join(member.cmdline()), member.threads()
+            for thread in threads:
+                name = Path(f"/proc/{member.pid}/task/{thread.id}/comm").read_text().strip()
+                classes.setdefault((command, name), set()).add(os.sched_getscheduler(thread.id))
+        except (psutil.NoSuchProcess, ProcessLookupError, FileNotFoundError):  # it ended meanwhile
+            continue
+    return classes
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+def test_its_own_ray_cluster_runs_as_sched_batch_and_only_the_engine_in_the_normal_class(served):
+    """Ray's threads that wake (signal checks, polls, each streamed step's hops) wait for a free core or the next
+    tick instead of preempting the engine's, whose own wake-ups still preempt them. Every process the command
+    starts inherits the class from it; the engine's thread leaves it, and its workers start outside it."""
+    classes = scheduling_classes(psutil.Process(served.process.pid))
+    engine = {c for (command, name), found in classes.items() if name == ENGINE_THREAD_NAME for c in found}
+    rest = {c for (command, name), found in classes.items() if name != ENGINE_THREAD_NAME for c in found}
+    started = " ".join(command for command, _ in classes)
+    assert "EngineReplica" in started and "Router" in started and "raylet" in started
+    assert engine == {os.SCHED_OTHER} and rest == {os.SCHED_BATCH}
+    assert "SCHED_BATCH" in served.log.read_text()
 
 
 def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
