@@ -20,7 +20,9 @@ ROLES = (("ServeReplica:kvloom:Router", "router"), ("ProxyActor", "Serve proxy")
 
 NOT_SERVING = (ENGINE_THREADS, "other")  # the engine itself, and the host's processes that serve nothing
 
-ThreadTimes = dict[tuple[int, int], tuple[str, str, float]]
+# (pid, tid) -> the process's command line, the thread's name, its CPU seconds so far and its start (clock ticks
+# after boot: a thread id the OS reused belongs to another thread)
+ThreadTimes = dict[tuple[int, int], tuple[str, str, float, int]]
 
 
 def own_cpu_seconds() -> float:
@@ -30,7 +32,7 @@ def own_cpu_seconds() -> float:
 
 
 def thread_cpu_seconds() -> ThreadTimes:
-    """Every thread's process command line, thread name and user+system CPU seconds so far."""
+    """Every thread's process command line, thread name, user+system CPU seconds so far and start time."""
     seen = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -39,7 +41,8 @@ def thread_cpu_seconds() -> ThreadTimes:
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
                 fields = stat.rsplit(")", 1)[1].split()
                 name = stat[stat.index("(") + 1 : stat.rindex(")")]
-                seen[int(pid), int(tid)] = (cmdline, name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+                seen[int(pid), int(tid)] = (cmdline, name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
+                                            int(fields[19]))
         except (FileNotFoundError, ProcessLookupError):
             continue
     return seen
@@ -57,10 +60,12 @@ CLIENT = "client (the benchmark, aiohttp)"
 def cpu_by_role(before: ThreadTimes, after: ThreadTimes, client_pid: int, client_s: float,
                 client: str = CLIENT) -> dict[str, float]:
     """CPU seconds between two snapshots by role; the client's (process `client_pid`, `client_s`) is counted
-    apart, named `client`. Threads that started between the snapshots are left out."""
+    apart, named `client`. Threads that started between the snapshots are left out. A thread is known by its start
+    time, not its process's command line: Ray retitles a worker with the method it runs (`ray::ServeController`,
+    then `ray::ServeController.listen_for_change`), which once dropped a whole process from a run's count."""
     by_role = Counter()
-    for (pid, tid), (cmdline, thread, cpu) in after.items():
-        if pid != client_pid and (pid, tid) in before and before[pid, tid][0] == cmdline:
+    for (pid, tid), (cmdline, thread, cpu, started) in after.items():
+        if pid != client_pid and (pid, tid) in before and before[pid, tid][3] == started:
             by_role[role(cmdline, thread)] += cpu - before[pid, tid][2]
     by_role[client] = client_s
     return {name: round(cpu, 3) for name, cpu in by_role.most_common() if cpu >= 0.005}

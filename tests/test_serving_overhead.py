@@ -27,17 +27,25 @@ def test_the_report_gives_cpu_per_event_largest_first():
 
 
 def test_cpu_is_summed_by_role_between_snapshots_and_the_engine_is_kept_apart():
-    before = {(10, 10): (REPLICA, "kvloom-engine", 5.0), (10, 11): (REPLICA, "kvloom-engine", 5.0),
-              (10, 12): (REPLICA, "worker.io", 1.0), (20, 20): ("ray::ServeReplica:kvloom:Router", "x", 2.0),
-              (30, 30): (RAYLET, "raylet", 0.5), (99, 99): ("python bench", "python", 7.0)}
-    after = {**before, (10, 10): (REPLICA, "kvloom-engine", 9.0), (10, 11): (REPLICA, "kvloom-engine", 8.5),
-             (10, 12): (REPLICA, "worker.io", 1.25), (20, 20): ("ray::ServeReplica:kvloom:Router", "x", 3.5),
-             (30, 30): (RAYLET, "raylet", 0.501), (99, 99): ("python bench", "python", 9.0),
-             (40, 40): ("ray::ProxyActor", "p", 3.0)}  # started between the snapshots: not counted
+    before = {(10, 10): (REPLICA, "kvloom-engine", 5.0, 1), (10, 11): (REPLICA, "kvloom-engine", 5.0, 1),
+              (10, 12): (REPLICA, "worker.io", 1.0, 1), (20, 20): ("ray::ServeReplica:kvloom:Router", "x", 2.0, 1),
+              (30, 30): (RAYLET, "raylet", 0.5, 1), (99, 99): ("python bench", "python", 7.0, 1)}
+    after = {**before, (10, 10): (REPLICA, "kvloom-engine", 9.0, 1), (10, 11): (REPLICA, "kvloom-engine", 8.5, 1),
+             (10, 12): (REPLICA, "worker.io", 1.25, 1), (20, 20): ("ray::ServeReplica:kvloom:Router", "x", 3.5, 1),
+             (30, 30): (RAYLET, "raylet", 0.501, 1), (99, 99): ("python bench", "python", 9.0, 1),
+             (40, 40): ("ray::ProxyActor", "p", 3.0, 7)}  # started between the snapshots: not counted
     cpu = cpu_by_role(before, after, client_pid=99, client_s=0.75)
     assert cpu == {ENGINE_THREADS: 7.5, "router": 1.5, "client (the benchmark, aiohttp)": 0.75,
                    "engine replica: other threads": 0.25}
     assert beside_engine(cpu) == 2.5
+
+
+def test_a_process_ray_retitles_mid_run_still_counts_and_a_reused_thread_id_does_not():
+    before = {(20, 20): ("ray::ServeController", "x", 1.0, 5),
+              (30, 30): ("ray::ServeReplica:kvloom:Router", "x", 2.0, 5)}
+    after = {(20, 20): ("ray::ServeController.listen_for_change", "x", 1.75, 5),  # the method it runs now
+             (30, 30): ("ray::ServeReplica:kvloom:Router", "x", 0.5, 9)}  # another thread under the same id
+    assert cpu_by_role(before, after, client_pid=99, client_s=0.0) == {"Serve controller": 0.75}
 
 
 def test_a_served_run_names_what_each_role_beside_the_engine_took():
