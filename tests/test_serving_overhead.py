@@ -44,7 +44,7 @@ def test_a_process_ray_retitles_mid_run_still_counts_and_a_reused_thread_id_does
     before = {(20, 20): ("ray::ServeController", "x", 1.0, 5),
               (30, 30): ("ray::ServeReplica:kvloom:Router", "x", 2.0, 5)}
     after = {(20, 20): ("ray::ServeController.listen_for_change", "x", 1.75, 5),  # the method it runs now
-             (30, 30): ("ray::ServeReplica:kvloom:Router", "x", 0.5, 9)}  # another thread under the same id
+             (30, 30): ("ray::ServeReplica:kvloom:Router", "x", 3.0, 9)}  # another thread under the same id
     assert cpu_by_role(before, after, client_pid=99, client_s=0.0) == {"Serve controller": 0.75}
 
 
