@@ -115,11 +115,18 @@ class FusedDecoder:
         return unsupported_rope(config)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
-                 num_layers: int | None = None) -> torch.Tensor:
+                 num_layers: int | None = None, keep_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm; `num_layers`: only the first that many layers run (layer-skip
-        drafting: the final norm and the LM head read what they leave)."""
+        drafting: the final norm and the LM head read what they leave). `keep_rows`: the rows the caller reads
+        (the LM head's), in order; only theirs come back.
+
+        The last layer writes every row's K/V, but its attention output's projection and its MLP run on the
+        kept rows only: nothing reads the others' hidden states. A prompt chunk keeps its last row at most, so
+        a prefill step skips ~1/L of its linears' work (2.8% of SmolLM2's 30 layers), as llama.cpp does."""
         num_tokens = input_ids.shape[0]
         layers = self.layers[:num_layers]
+        if keep_rows is not None and len(keep_rows) == num_tokens:
+            keep_rows = None  # every row (rows are kept in order, once each)
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         split = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         # a fresh float32 tensor: the residual stream, updated in place
@@ -130,15 +137,20 @@ class FusedDecoder:
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
         hidden = add_rms_norm_(residual, None, layers[0].input_norm, eps, dtype)
-        for layer, next_norm, (key_cache, value_cache) in zip(layers, next_norms, context.kv_caches):
+        last = len(layers) - 1
+        for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(zip(layers, next_norms, context.kv_caches)):
             qkv = layer.qkv(hidden)
             rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
             q, k, v = qkv.split(split, dim=-1)
             k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
             backend.write_kv(key_cache, value_cache, k, v, meta.slot_mapping)
+            if i == last and keep_rows is not None and not len(keep_rows):
+                return hidden[:0]  # nothing reads this step's hidden states: the last layer owed its K/V only
             out = backend.paged_attention(q.view(num_tokens, heads, head_dim), key_cache, value_cache, meta,
                                           self.scale)
-            attention_out = self.group.all_reduce(layer.o_proj(out.reshape(num_tokens, -1)))
+            if i == last and keep_rows is not None:
+                out, residual = out[keep_rows], residual[keep_rows]
+            attention_out = self.group.all_reduce(layer.o_proj(out.reshape(out.shape[0], -1)))
             hidden = add_rms_norm_(residual, attention_out, layer.post_attention_norm, eps, dtype)
             hidden = self._mlp(layer, hidden, residual, next_norm)
         return hidden

@@ -77,9 +77,8 @@ class ModelProposer(Proposer):
             context = ForwardContext(meta, self.kv_caches, self.backend)
             ids = torch.tensor(input_ids, device=self.device)
             pos = torch.tensor(positions, device=self.device)
-            hidden = self.forward(ids, pos, context)
             last_rows = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
-            logits = self.decoder.logits(hidden[last_rows])
+            logits = self.decoder.logits(self.forward(ids, pos, context, last_rows))
             greedy_tokens = logits.max(dim=-1).indices.tolist()
             for row, r in enumerate(active):
                 params = r.sampling_params
@@ -94,8 +93,9 @@ class ModelProposer(Proposer):
                 r.spec_probs = torch.stack(draft_probs[r.request_id])
         self.drafted(requests)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        return self.decoder(ids, positions, context, num_layers=self.num_layers)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                keep_rows: torch.Tensor) -> torch.Tensor:
+        return self.decoder(ids, positions, context, num_layers=self.num_layers, keep_rows=keep_rows)
 
     def drafted(self, requests: list[Request]) -> None:
         """After the passes: what the draft's own cache now holds."""
@@ -120,8 +120,9 @@ class DraftModelProposer(ModelProposer):
         self.pool = BlockPool(kv_caches[0][0].shape[0])
         self.sequences: dict[str, DraftSequence] = {}
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        return self.decoder(ids, positions, context)
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                keep_rows: torch.Tensor) -> torch.Tensor:
+        return self.decoder(ids, positions, context, keep_rows=keep_rows)
 
     def propose(self, request: Request, k: int) -> list[int]:
         """k placeholders once the draft's cache has room for every position the passes write, else none."""

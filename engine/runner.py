@@ -128,7 +128,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the sample rows (None when there are none, or on a tensor-parallel worker)."""
         context = ForwardContext(inputs.meta, self.kv_caches, self.backend)
-        hidden = self.decoder(inputs.input_ids, inputs.positions, context)
+        hidden = self.decoder(inputs.input_ids, inputs.positions, context, keep_rows=inputs.sample_rows)
         if not len(inputs.sample_rows):
             return None
-        return self.decoder.logits(hidden[inputs.sample_rows])
+        return self.decoder.logits(hidden)

@@ -27,9 +27,12 @@ class StockDecoder:
         )
         return cls(model.to(device).eval())
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext) -> torch.Tensor:
-        return self._decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                             kvloom_context=context).last_hidden_state[0]
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
+                 keep_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states of every row, or of `keep_rows` (the stock forward computes them all)."""
+        hidden = self._decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                               kvloom_context=context).last_hidden_state[0]
+        return hidden if keep_rows is None else hidden[keep_rows]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._lm_head(hidden)

@@ -233,6 +233,41 @@ def test_the_mlp_in_row_passes_matches_generate(tiny_model_dir, monkeypatch, gre
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
 
+class RowSpy:
+    """A linear that records how many rows it was given."""
+
+    def __init__(self, linear) -> None:
+        self.linear, self.rows = linear, []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("keep", [[6, 11], []])
+def test_the_last_layer_projects_and_runs_its_mlp_for_the_kept_rows_only(tiny_model_dir, keep):
+    """A step's hidden states are read at its sample rows only (a prompt chunk's last row at most): the last
+    layer still writes every row's K/V, and the kept rows' hidden states are those of the full pass."""
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
+    fused, runner = engine.decoder, engine.runner
+    meta = AttentionMetadata.build([7, 5], [7, 5], [[0, 1], [2, 3]], 4, torch.device("cpu"))
+    ids, positions = torch.tensor([5, 9, 13, 200, 7, 7, 7, 3, 4, 5, 6, 8]), torch.tensor([*range(7), *range(5)])
+
+    def run(keep_rows):
+        for key_cache, value_cache in runner.kv_caches:
+            key_cache.zero_(), value_cache.zero_()
+        hidden = fused(ids, positions, ForwardContext(meta, runner.kv_caches, runner.backend), keep_rows=keep_rows)
+        return hidden, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+
+    full, full_caches = run(None)
+    last = fused.layers[-1]
+    last.o_proj, last.gate_up = RowSpy(last.o_proj), RowSpy(last.gate_up)
+    kept, kept_caches = run(torch.tensor(keep, dtype=torch.int64))
+    torch.testing.assert_close(kept, full[keep], atol=1e-6, rtol=1e-6)
+    assert all(torch.equal(a, b) for pair, other in zip(full_caches, kept_caches) for a, b in zip(pair, other))
+    assert last.o_proj.rows == ([len(keep)] if keep else []) and last.gate_up.rows == last.o_proj.rows
+
+
 def test_an_untied_lm_head_is_packed(tiny_model_dir):
     fused = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4).decoder
     assert fused.lm_head.packed == torch.backends.mkldnn.is_available()
