@@ -254,8 +254,8 @@ def test_the_last_layer_projects_and_runs_its_mlp_for_the_kept_rows_only(tiny_mo
     ids, positions = torch.tensor([5, 9, 13, 200, 7, 7, 7, 3, 4, 5, 6, 8]), torch.tensor([*range(7), *range(5)])
 
     def run(keep_rows):
-        for key_cache, value_cache in runner.kv_caches:
-            key_cache.zero_(), value_cache.zero_()
+        for cache in (tensor for layer in runner.kv_caches for tensor in layer):
+            cache.zero_()
         hidden = fused(ids, positions, ForwardContext(meta, runner.kv_caches, runner.backend), keep_rows=keep_rows)
         return hidden, [(k.clone(), v.clone()) for k, v in runner.kv_caches]
 
