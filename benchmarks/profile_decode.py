@@ -21,11 +21,11 @@ from kvloom.kernels.item_pool import intra_op_threads
 PROMPT_TOKENS = 256
 
 
-def fill(engine: LLMEngine, batch: int, tag: str) -> None:
+def fill(engine: LLMEngine, batch: int, tag: str, max_tokens: int = 40) -> None:
     """`batch` running requests, every prompt computed, so the next steps are pure decode."""
     for i in range(batch):
         prompt = np.random.default_rng(i).integers(100, 40_000, PROMPT_TOKENS).tolist()
-        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+        engine.add_request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     while engine.stats().num_waiting or any(r.num_computed_tokens < len(r.prompt_token_ids)
                                             for r in engine.scheduler.running):
         engine.step()
