@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvloom.benchmarks.profile_decode import fill
+from kvloom.benchmarks.serving_cpu import process_cpu_seconds
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.kernels.host_isa import host_isa
 from kvloom.kernels.item_pool import intra_op_threads
@@ -55,13 +56,6 @@ while True:
     while time.perf_counter() < end:
         pass
 """
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_s(pid: int) -> float:
-    """A process's CPU time so far (user + system), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 @dataclass
@@ -76,14 +70,14 @@ def run_round(engine: LLMEngine, steps: int, noisy: bool) -> Round:
     procs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR, str(period), str(burst)])
              for period, burst in NEIGHBOURS] if noisy else []
     time.sleep(0.3 if noisy else 0)  # past their start-up
-    before = [cpu_s(p.pid) for p in procs]
+    before = [process_cpu_seconds(p.pid) for p in procs]
     start, times = time.perf_counter(), []
     for _ in range(steps):
         begin = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - begin)
     wall = time.perf_counter() - start
-    used = sum(cpu_s(p.pid) - b for p, b in zip(procs, before))
+    used = sum(process_cpu_seconds(p.pid) - b for p, b in zip(procs, before))
     for proc in procs:
         proc.kill()
         proc.wait()

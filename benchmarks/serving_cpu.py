@@ -31,6 +31,16 @@ def own_cpu_seconds() -> float:
     return times.user + times.system
 
 
+def _cpu_seconds(stat_fields: list[str]) -> float:
+    """User + system CPU seconds from a /proc stat line's fields after the command name."""
+    return (int(stat_fields[11]) + int(stat_fields[12])) / CLOCK_TICKS
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """A process's user+system CPU seconds so far, all its threads together."""
+    return _cpu_seconds(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split())
+
+
 def thread_cpu_seconds() -> ThreadTimes:
     """Every thread's process command line, thread name, user+system CPU seconds so far and start time."""
     seen = {}
@@ -41,8 +51,7 @@ def thread_cpu_seconds() -> ThreadTimes:
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
                 fields = stat.rsplit(")", 1)[1].split()
                 name = stat[stat.index("(") + 1 : stat.rindex(")")]
-                seen[int(pid), int(tid)] = (cmdline, name, (int(fields[11]) + int(fields[12])) / CLOCK_TICKS,
-                                            int(fields[19]))
+                seen[int(pid), int(tid)] = (cmdline, name, _cpu_seconds(fields), int(fields[19]))
         except (FileNotFoundError, ProcessLookupError):
             continue
     return seen

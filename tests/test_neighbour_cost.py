@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from kvloom.benchmarks.neighbour_cost import NEIGHBOUR, Round, cpu_s, report, summarize
+from kvloom.benchmarks.neighbour_cost import NEIGHBOUR, Round, report, summarize
+from kvloom.benchmarks.serving_cpu import process_cpu_seconds
 
 
 def test_amplification_is_the_lost_throughput_over_the_neighbours_share_of_the_machine():
@@ -32,9 +33,9 @@ def test_a_neighbour_spins_its_bursts_and_sleeps_between_them():
     proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, "0.01", "0.01"])  # half of a core
     try:
         time.sleep(0.3)
-        before, start = cpu_s(proc.pid), time.monotonic()
+        before, start = process_cpu_seconds(proc.pid), time.monotonic()
         time.sleep(1.0)
-        share = (cpu_s(proc.pid) - before) / (time.monotonic() - start)
+        share = (process_cpu_seconds(proc.pid) - before) / (time.monotonic() - start)
     finally:
         proc.kill()
         proc.wait()
