@@ -37,7 +37,7 @@ from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
-from kvloom.kernels.packed_linear import Layout, PackedLinear, blocked_fits
+from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
 MLP_ROWS = 512  # rows per MLP pass (see FusedDecoder._mlp)
@@ -85,7 +85,7 @@ class FusedDecoder:
                 down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
             ))
         self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32
-                                      and not blocked_fits(self.embed))
+                                      and host_layout(self.embed) is not Layout.BLOCKED)
         if not config.tie_word_embeddings:
             self.lm_head = _pack(checkpoint, ["lm_head"])
         elif self.head_shares_embedding:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.kernels.cpu_extensions import build_extension
-from kvloom.kernels.host_isa import host_isa
+from kvloom.kernels.host_isa import HostISA, host_isa
 
 PACK_ROWS_HINT = 64  # the row count oneDNN picks its weight layout for; any row count works after
 # oneDNN builds a GEMM primitive per row count, and both its cache and ideep's hold up to 1024 of them,
@@ -50,10 +50,17 @@ class Layout(enum.Enum):
     BLOCKED = "blocked"  # [ceil(out/32), in/E, 32, E], E inputs a 32-bit word: cpu_gemm.cpp's blocked_linear
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    dtype_ok = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and host_isa().fast_bfloat16)
-    return (weight.device.type == "cpu" and dtype_ok and weight.dim() == 2
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+@dataclass(frozen=True)
+class HostKernels:
+    """What this host's builds can run: the facts a layout decision takes besides the CPU's flags."""
+
+    onednn: bool  # torch has oneDNN with ahead-of-time weight packing
+    blocked: frozenset[torch.dtype]  # dtypes kvloom's blocked GEMM was built for (it needs AVX-512)
+
+    @classmethod
+    def here(cls) -> "HostKernels":
+        onednn = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        return cls(onednn, frozenset(d for d in (torch.float32, torch.bfloat16) if blocked_kernel_built(d)))
 
 
 def gemm_extension():
@@ -66,16 +73,35 @@ def blocked_kernel_built(dtype: torch.dtype) -> bool:
     return ops is not None and ops.blocked_linear_supported(dtype)
 
 
-def blocked_fits(weight: torch.Tensor) -> bool:
-    """kvloom's blocked kernel runs this weight and beats oneDNN here: on an AVX-512 CPU without AMX tiles
-    (AMX, through oneDNN, is several times faster than any vector kernel in bfloat16, and oneDNN's float32
-    there was not measured against this one), bfloat16 with an even input width or float32."""
-    isa = host_isa()
-    if not (weight.device.type == "cpu" and weight.dim() == 2 and isa.avx512 and not isa.amx_bf16):
-        return False
-    if not (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)):
-        return False
-    return blocked_kernel_built(weight.dtype)
+def choose_layout(weight: torch.Tensor, isa: HostISA, kernels: HostKernels, shared: bool = False) -> Layout:
+    """The layout a CPU weight runs fastest in, decided from the CPU's flags and the builds alone (nothing is
+    run): kvloom's blocked kernel on an AVX-512 CPU without AMX tiles (AMX, through oneDNN, is several times
+    faster than any vector kernel in bfloat16), bfloat16 with an even input width or float32; else oneDNN,
+    packed, or reading the dense weight as it is (`shared`: it has another reader), in float32 or where the CPU
+    multiplies bfloat16 in hardware (oneDNN emulates it elsewhere, slower than float32); else dense `F.linear`."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return Layout.DENSE
+    even_words = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)
+    if not shared and isa.avx512 and not isa.amx_bf16 and even_words and weight.dtype in kernels.blocked:
+        return Layout.BLOCKED
+    onednn_dtype = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and isa.fast_bfloat16)
+    if kernels.onednn and onednn_dtype and (not shared or weight.is_contiguous()):
+        return Layout.SHARED if shared else Layout.ONEDNN
+    return Layout.DENSE
+
+
+def host_layout(weight: torch.Tensor, shared: bool = False) -> Layout:
+    """`choose_layout` for this host."""
+    return choose_layout(weight, host_isa(), HostKernels.here(), shared)
+
+
+def lay_out(weight: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """The weight in `layout`: the one step that runs the chosen kernel's own packing code."""
+    if layout is Layout.BLOCKED:
+        return to_blocked(weight)
+    if layout is Layout.ONEDNN:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
+    return weight
 
 
 def to_blocked(weight: torch.Tensor) -> torch.Tensor:
@@ -103,22 +129,19 @@ class PackedLinear:
 
     @classmethod
     def pack(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """A copy in the layout this host runs fastest (the loaded weight can then be released)."""
         weight, bias = weight.detach(), None if bias is None else bias.detach()
-        if blocked_fits(weight):
-            return cls(to_blocked(weight), None if bias is None else bias.float().contiguous(), Layout.BLOCKED,
-                       weight.shape[0])
-        if can_pack(weight):
-            return cls(torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT), bias,
-                       Layout.ONEDNN, weight.shape[0])
-        return cls(weight, bias, Layout.DENSE, weight.shape[0])
+        layout = host_layout(weight)
+        if layout is Layout.BLOCKED and bias is not None:
+            bias = bias.float().contiguous()
+        return cls(lay_out(weight, layout), bias, layout, weight.shape[0])
 
     @classmethod
     def share(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear":
         """oneDNN on the dense weight itself, for a weight that is also read as it is (a tied LM head and
         embedding table): no second copy, at ~90% of the packed speed (576x49152 at 64 rows, measured)."""
         weight, bias = weight.detach(), None if bias is None else bias.detach()
-        shared = can_pack(weight) and weight.is_contiguous()
-        return cls(weight, bias, Layout.SHARED if shared else Layout.DENSE, weight.shape[0])
+        return cls(weight, bias, host_layout(weight, shared=True), weight.shape[0])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout is Layout.BLOCKED:

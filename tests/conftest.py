@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2 model, a tiny random GQA Llama, and greedy references."""
+"""Shared fixtures: the embedded SmolLM2 model, a tiny random GQA Llama, and greedy references; and the `host`
+marker, which skips a test where the host lacks what it needs and says at the end what this host covered."""
 
 import os
 
@@ -8,12 +9,73 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections import Counter  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvloom.benchmarks.tiny_model import build_tiny_llama  # noqa: E402
+
+
+def _blocked_gemm() -> bool:
+    from kvloom.kernels.packed_linear import blocked_kernel_built
+
+    return all(blocked_kernel_built(dtype) for dtype in (torch.float32, torch.bfloat16))
+
+
+# what a host-dependent test needs -> (what it is, whether this host has it)
+HOST_FEATURES = {
+    "blocked-gemm": ("kvloom's blocked GEMM (built on AVX-512 CPUs)", _blocked_gemm),
+    "proc-threads": ("Linux /proc per-thread files", lambda: os.path.exists("/proc/self/task")),
+    "sched-batch": ("Linux scheduling classes", lambda: hasattr(os, "SCHED_BATCH")),
+    "cuda": ("a CUDA device", torch.cuda.is_available),
+    "two-cuda": ("two CUDA devices", lambda: torch.cuda.device_count() >= 2),
+}
+_host_runs: dict[str, Counter] = {feature: Counter() for feature in HOST_FEATURES}
+_features_of: dict[str, list[str]] = {}
+
+
+def host_has(feature: str) -> bool:
+    return HOST_FEATURES[feature][1]()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "host(feature): needs one of HOST_FEATURES; skipped where the host lacks it")
+
+
+def pytest_report_header(config):
+    from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
+
+    isa = host_isa()
+    found = ", ".join(f"{name} {'yes' if host_has(name) else 'no'}" for name in HOST_FEATURES)
+    return [f"host: {isa.describe()}; {os.cpu_count()} cores; report key {isa.report_key}; dtype auto on CPU: "
+            f"{auto_cpu_dtype(isa)}", f"host features: {found}"]
+
+
+def pytest_runtest_setup(item):
+    features = [mark.args[0] for mark in item.iter_markers("host")]
+    _features_of[item.nodeid] = features
+    for feature in features:
+        if not host_has(feature):
+            pytest.skip(f"needs {HOST_FEATURES[feature][0]}, which this host lacks")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.skipped):
+        for feature in _features_of.get(report.nodeid, []):
+            _host_runs[feature]["skipped" if report.skipped else "ran"] += 1
+
+
+def pytest_terminal_summary(terminalreporter):
+    from kvloom.kernels.host_isa import host_isa
+
+    terminalreporter.section("host-dependent tests")
+    terminalreporter.write_line(f"host: {host_isa().describe()}")
+    for feature, (what, _) in HOST_FEATURES.items():
+        runs = _host_runs[feature]
+        terminalreporter.write_line(f"{feature:<13} {'present' if host_has(feature) else 'absent ':<8} "
+                                    f"{runs['ran']:>4} ran {runs['skipped']:>4} skipped  ({what})")
 
 
 @pytest.fixture(scope="session")

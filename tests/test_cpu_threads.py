@@ -35,7 +35,7 @@ def test_an_operators_wait_policy_is_not_overridden(monkeypatch):
     assert cpu_threads.openmp_env() == {}
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux names threads in /proc")
+@pytest.mark.host("proc-threads")
 def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
     def engine_thread():
         cpu_threads.name_os_thread(cpu_threads.ENGINE_THREAD_NAME)
@@ -52,7 +52,7 @@ def test_an_engine_thread_and_the_openmp_workers_it_starts_carry_its_name():
     assert seen.count(cpu_threads.ENGINE_THREAD_NAME) >= 2, seen  # the thread and at least one OpenMP worker
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+@pytest.mark.host("sched-batch")
 def test_an_engine_thread_leaves_the_batch_class_and_its_workers_start_in_the_normal_one():
     """`kvloom serve`'s Ray cluster runs as SCHED_BATCH; an engine's threads must still preempt it when they wake."""
     def engine_thread():

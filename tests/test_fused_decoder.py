@@ -28,9 +28,9 @@ from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.stock_decoder import StockDecoder
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops, packed_linear
-from kvloom.kernels.host_isa import HostISA, host_isa
+from kvloom.kernels.host_isa import HostISA
 from kvloom.kernels.metadata import AttentionMetadata
-from kvloom.kernels.packed_linear import Layout, PackedLinear, blocked_kernel_built, to_blocked
+from kvloom.kernels.packed_linear import HostKernels, Layout, PackedLinear, choose_layout, host_layout, to_blocked
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
@@ -109,16 +109,6 @@ def test_cpp_argmax_picks_each_rows_first_maximum_as_torch_max_does(dtype, vocab
     assert native.dtype == torch.int64 and torch.equal(native, logits.max(dim=-1).indices)
 
 
-def layout_for(isa: HostISA, dtype: torch.dtype) -> Layout:
-    """AMX tiles through oneDNN where the CPU has them; kvloom's blocked kernel on other AVX-512 CPUs (oneDNN is
-    weak there at decode's row counts, and emulates bfloat16 without AVX512-BF16); elsewhere oneDNN, or dense
-    bfloat16 where oneDNN would emulate it."""
-    if isa.avx512 and not isa.amx_bf16 and blocked_kernel_built(dtype):
-        return Layout.BLOCKED
-    onednn = torch.backends.mkldnn.is_available() and (dtype == torch.float32 or isa.fast_bfloat16)
-    return Layout.ONEDNN if onednn else Layout.DENSE
-
-
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("make", [PackedLinear.pack, PackedLinear.share])
@@ -129,7 +119,7 @@ def test_float32_linear_equals_f_linear(rows, with_bias, make):
     bias = torch.randn(96) if with_bias else None
     linear = make(weight, bias)
     shared = Layout.SHARED if torch.backends.mkldnn.is_available() else Layout.DENSE
-    assert linear.layout is (layout_for(host_isa(), torch.float32) if make == PackedLinear.pack else shared)
+    assert linear.layout is (host_layout(weight) if make == PackedLinear.pack else shared)
     torch.testing.assert_close(linear(x), torch.nn.functional.linear(x, weight, bias), atol=1e-5, rtol=1e-5)
 
 
@@ -139,24 +129,54 @@ def test_bfloat16_linear_matches_a_float32_reference(rows):
     torch.manual_seed(0)
     weight, x = torch.randn(96, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
     linear = PackedLinear.pack(weight)
-    assert linear.layout is layout_for(host_isa(), torch.bfloat16)
+    assert linear.layout is host_layout(weight)
     out = linear(x)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), x.float() @ weight.float().T, atol=0.1, rtol=1e-2)
 
 
-@pytest.mark.parametrize("flags", ["avx2 avx512f amx_bf16 amx_tile avx512_bf16", "avx2 avx512f avx512_bf16",
-                                   "avx2 avx512f", "avx2"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags, dtype):
-    isa = HostISA("fake", frozenset(flags.split()))
-    monkeypatch.setattr(packed_linear, "host_isa", lambda: isa)
-    assert PackedLinear.pack(torch.randn(64, 32).to(dtype)).layout is layout_for(isa, dtype)
+F32, BF16 = torch.float32, torch.bfloat16
+ALL_BUILT = HostKernels(onednn=True, blocked=frozenset({F32, BF16}))
+NO_BLOCKED_BUILD = HostKernels(onednn=True, blocked=frozenset())
+NO_ONEDNN = HostKernels(onednn=False, blocked=frozenset())
+AMX, ZEN4, AVX512, AVX2 = ("avx2 avx512f amx_bf16 amx_tile avx512_bf16", "avx2 avx512f avx512_bf16", "avx2 avx512f",
+                           "avx2")
+# (CPU flags, what the host's builds run, dtype) -> layout: AMX tiles through oneDNN; kvloom's blocked kernel on other
+# AVX-512 CPUs where it was built; elsewhere oneDNN, or dense bfloat16 where oneDNN would emulate it
+LAYOUTS = [
+    (AMX, ALL_BUILT, F32, Layout.ONEDNN), (AMX, ALL_BUILT, BF16, Layout.ONEDNN),
+    (ZEN4, ALL_BUILT, F32, Layout.BLOCKED), (ZEN4, ALL_BUILT, BF16, Layout.BLOCKED),
+    (AVX512, ALL_BUILT, F32, Layout.BLOCKED), (AVX512, ALL_BUILT, BF16, Layout.BLOCKED),
+    (AVX2, ALL_BUILT, F32, Layout.ONEDNN), (AVX2, ALL_BUILT, BF16, Layout.DENSE),
+    (ZEN4, NO_BLOCKED_BUILD, BF16, Layout.ONEDNN), (AVX512, NO_BLOCKED_BUILD, BF16, Layout.DENSE),
+    (AVX512, NO_BLOCKED_BUILD, F32, Layout.ONEDNN), (AMX, NO_ONEDNN, BF16, Layout.DENSE),
+    (AVX2, NO_ONEDNN, F32, Layout.DENSE),
+]
+
+
+@pytest.mark.parametrize("flags,kernels,dtype,expected", LAYOUTS)
+def test_weights_take_the_layout_of_the_cpus_fastest_unit(monkeypatch, flags, kernels, dtype, expected):
+    """Decided from a faked CPU's flags without running its instructions: the packing step is stubbed to record
+    the layout asked for, so every row runs on any host (an AVX2-only one included)."""
+    asked: list[Layout] = []
+    monkeypatch.setattr(packed_linear, "host_isa", lambda: HostISA("fake", frozenset(flags.split())))
+    monkeypatch.setattr(HostKernels, "here", classmethod(lambda cls: kernels))
+    monkeypatch.setattr(packed_linear, "lay_out", lambda weight, layout: asked.append(layout) or weight)
+    assert PackedLinear.pack(torch.randn(64, 32).to(dtype)).layout is expected
+    assert asked == [expected]
+
+
+def test_a_shared_weight_is_read_by_onednn_in_place_or_runs_dense():
+    weight = torch.randn(64, 32)
+    isa = HostISA("fake", frozenset(AVX512.split()))
+    assert choose_layout(weight, isa, ALL_BUILT, shared=True) is Layout.SHARED
+    assert choose_layout(weight.T, isa, ALL_BUILT, shared=True) is Layout.DENSE  # oneDNN needs it contiguous
+    assert choose_layout(weight.bfloat16(), isa, ALL_BUILT, shared=True) is Layout.DENSE  # would emulate bfloat16
+    assert choose_layout(weight, isa, NO_ONEDNN, shared=True) is Layout.DENSE
 
 
 def blocked_kernel(dtype: torch.dtype):
-    return pytest.param(dtype, id=str(dtype).removeprefix("torch."), marks=pytest.mark.skipif(
-        not blocked_kernel_built(dtype), reason="the blocked kernel needs AVX-512"))
+    return pytest.param(dtype, id=str(dtype).removeprefix("torch."), marks=pytest.mark.host("blocked-gemm"))
 
 
 BLOCKED_DTYPES = [blocked_kernel(torch.float32), blocked_kernel(torch.bfloat16)]
@@ -203,7 +223,7 @@ def test_a_tied_float32_lm_head_reads_the_embedding_table_itself_where_onednn_ru
     model_dir = build_tiny_model(tmp_path, tied=True)
     engine = LLMEngine(dtype="float32", model=str(model_dir), block_size=4)
     fused = engine.decoder
-    if layout_for(host_isa(), torch.float32) is Layout.BLOCKED:
+    if host_layout(fused.embed) is Layout.BLOCKED:
         assert fused.lm_head.layout is Layout.BLOCKED and fused.runs_on_own_kernels()
     else:
         assert fused.lm_head.weight.data_ptr() == fused.embed.data_ptr() and not fused.lm_head.packed
@@ -219,7 +239,7 @@ def test_a_bfloat16_model_keeps_its_residual_and_norms_in_float32(tmp_path, buil
     fused = engine.decoder
     assert fused.embed.dtype == torch.bfloat16 and fused.final_norm.dtype == torch.float32
     assert all(layer.input_norm.dtype == layer.post_attention_norm.dtype == torch.float32 for layer in fused.layers)
-    assert fused.lm_head.packed == (layout_for(host_isa(), torch.bfloat16) is not Layout.DENSE)
+    assert fused.lm_head.packed == (host_layout(fused.embed) is not Layout.DENSE)
     meta = AttentionMetadata.build([3], [3], [[0]], 4, torch.device("cpu"))
     hidden = fused(torch.tensor([5, 9, 13]), torch.arange(3), ForwardContext(meta, engine.runner.kv_caches,
                                                                              engine.runner.backend))

@@ -11,9 +11,9 @@ import torch
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.kernels import item_pool, packed_linear
 from kvloom.kernels.host_isa import HostISA
-from kvloom.kernels.packed_linear import Layout, PackedLinear, blocked_kernel_built, to_blocked
+from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
 
-BLOCKED_KERNEL = pytest.mark.skipif(not blocked_kernel_built(torch.bfloat16), reason="the blocked kernel needs AVX-512")
+BLOCKED_KERNEL = pytest.mark.host("blocked-gemm")
 
 
 def blocked_linear_case(seed: int = 0, rows: int = 70) -> tuple[PackedLinear, torch.Tensor]:

@@ -1,6 +1,5 @@
 """The neighbour-cost benchmark sets the engine's lost throughput against the CPU its neighbours took."""
 
-import os
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ def test_the_report_gives_the_share_the_loss_and_their_ratio():
     assert "| 100.0 ms | 110.0 ms | 5.0% | 9.1% | 1.82x |" in report(m)
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads CPU time from /proc")
+@pytest.mark.host("proc-threads")
 def test_a_neighbour_spins_its_bursts_and_sleeps_between_them():
     proc = subprocess.Popen([sys.executable, "-c", NEIGHBOUR, "0.01", "0.01"])  # half of a core
     try:

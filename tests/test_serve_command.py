@@ -106,7 +106,7 @@ def scheduling_classes(process: psutil.Process) -> dict[tuple[str, str], set[int
     return classes
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+@pytest.mark.host("sched-batch")
 def test_its_own_ray_cluster_runs_as_sched_batch_and_only_the_engine_in_the_normal_class(served):
     """Ray's threads that wake (signal checks, polls, each streamed step's hops) wait for a free core or the next
     tick instead of preempting the engine's, whose own wake-ups still preempt them. Every process the command

@@ -12,7 +12,7 @@ import torch
 from kvloom.engine.llm import LLM
 from kvloom.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.host("cuda")
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -10,7 +10,7 @@ import torch
 from kvloom.engine.llm import LLM
 from kvloom.engine.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = pytest.mark.host("two-cuda")
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 KNOBS = {"device": "cuda", "dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 256 << 20}
