@@ -15,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvloom.benchmarks.external_peers import KINDS as EXTERNAL_KINDS
-from kvloom.benchmarks.external_peers import external_systems, run_external
+from kvloom.benchmarks.external_peers import external_systems, run_external, vllm_env
 from kvloom.benchmarks.harness import STRATEGIES, BenchSettings, SystemResult, SystemSpec, run_isolated
 from kvloom.benchmarks.workloads import Workload
 from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
@@ -98,7 +98,7 @@ def environment(settings: BenchSettings) -> dict:
             "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": settings.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),
-            "auto_dtype": auto_cpu_dtype(host_isa()),
+            "auto_dtype": auto_cpu_dtype(host_isa()), "vllm_env": vllm_env(settings),
             "settings": asdict(settings)}
 
 

@@ -76,9 +76,31 @@ def llama_gguf(dtype: str) -> Path:
 
 
 # ---- command lines (pure: unit-tested without the peers installed) -------------------------------------
-def vllm_env(settings: BenchSettings) -> dict[str, str]:
-    """vLLM's CPU backend takes its KV budget in GiB from the environment; the same budget as kvloom's."""
-    return {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_memory_bytes / 2**30:g}"}
+SMALL_HOST_CPUS = 4  # on hosts up to this size vLLM's CPU build is best with no CPU reserved for its front end
+
+
+def cpu_list(cpus: list[int]) -> str:
+    """CPU ids as vLLM's `VLLM_CPU_OMP_THREADS_BIND` takes them: ranges joined by commas (`0-1`, `0-3,6`)."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][-1] + 1:
+            runs[-1].append(cpu)
+        else:
+            runs.append([cpu])
+    return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
+
+
+def vllm_env(settings: BenchSettings, cpus: list[int] | None = None) -> dict[str, str]:
+    """vLLM's CPU build at its documented best on this host: the same KV budget as kvloom's (in GiB), its OpenMP
+    threads bound to every CPU this process may use, and on small hosts none reserved for its front end (its
+    default binding keeps one back: half of a 2-core host), and passive OpenMP waits, with which it ran best on
+    the AMX host (W1 float32 203 out tok/s against 113 at its defaults; docs/performance.md)."""
+    cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    env = {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_memory_bytes / 2**30:g}",
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "OMP_WAIT_POLICY": "PASSIVE"}
+    if len(cpus) <= SMALL_HOST_CPUS:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    return env
 
 
 def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Path, settings: BenchSettings,

@@ -348,6 +348,9 @@ def write_bench_report(doc: dict, out_dir: Path, stem: str = "bench") -> Path:
         parts.append(run_section(run, out_dir, f"{stem}-{i}" if len(runs) > 1 else stem, run["label"]))
     if len(runs) > 1 and all("rate" in run["params"] for run in runs):
         parts.append(rate_section(runs, out_dir, stem))
+    if any(r["spec"]["kind"] in ("vllm", "vllm-serve") for run in runs for r in run["results"]):
+        settings = " ".join(f"{k}={v}" for k, v in doc["environment"].get("vllm_env", {}).items())
+        parts.append(f"vLLM ran with `{settings or 'its defaults (before 2026-11-29: untuned)'}`.")
     if any(r["spec"]["kind"] in EXTERNAL_KINDS for run in runs for r in run["results"]):
         parts.append(peer_goals_section(runs))
     parts = [part for part in parts if part]

@@ -22,21 +22,14 @@ DRAIN_POLL_S = 0.2
 def own_cluster_env(port: int) -> dict[str, str]:
     """Ray Serve settings for a Ray cluster that `kvloom serve` starts itself (its processes inherit them).
 
-    Direct ingress: the router deployment answers HTTP on `port` in its own process instead of behind
-    Serve's proxy actor (one hop, one process and one JSON re-framing less per streamed token; W1 over
-    HTTP on 2 cores went 358 -> 435 out tok/s). Serve still starts its proxy on the head node, on a port of
-    its own, as the fallback route; no load balancer stands in front to deregister the router, so it holds
-    no 30 s drain window on shutdown. And a quieter idle cluster: an idle Serve app wakes ~1,600 times a
-    second across its processes, each wake-up stalling the engine's OpenMP team at a barrier (a 256-token
-    prefill beside an idle `kvloom serve` took 79 ms instead of 68); a 0.5 s controller loop and 1 s
-    metrics flushes (defaults 0.1 s) took it to 75 ms and W1 over HTTP from 387 to 401 out tok/s. An idle
-    cluster still took ~0.12 of a core on a 2-core host, CPU that a busy engine loses: Ray's own metrics
-    (kvloom's are the router's /metrics), task events every 10 s instead of every second, and the raylet's
-    resource reports, memory checks and GC checks once a second instead of every 100-250 ms took ~12% off
-    that (every process's CPU over 20 s idle, 3 alternated runs). Ray's log monitor globs the log directory
-    for new files on each of its 0.1 s polls while there are under RAY_LOG_MONITOR_MANY_FILES_THRESHOLD of
-    them, every 0.5 s above it: at 0 it took 4.3-4.7 thousandths of a core instead of 7.7 (30 s idle, Ice
-    Lake host), and new lines still reach the console within 0.1 s."""
+    Direct ingress: the router deployment answers HTTP on `port` in its own process instead of behind Serve's
+    proxy actor (one hop, one process and one JSON re-framing less per streamed token); Serve still starts its
+    proxy, on a port of its own, as the fallback route, and no load balancer stands in front, so no 30 s drain
+    window. And a quieter idle cluster, since each wake-up of its processes takes a core from the engine: slower
+    Serve control and metrics loops, Ray's own metrics off (kvloom's are the router's /metrics), task events,
+    resource reports, memory and GC checks less often, and the log monitor globbing for new files every 0.5 s
+    rather than on every 0.1 s poll (new lines still reach the console within 0.1 s). The measurements behind
+    each: docs/performance.md, "Design choices"."""
     return {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
             "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1), "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
@@ -48,14 +41,10 @@ def own_cluster_env(port: int) -> dict[str, str]:
 def batch_scheduling() -> bool:
     """Put this process, and so every process of the Ray cluster it then starts, in Linux's SCHED_BATCH class:
     a thread of that class that wakes does not preempt a running one; it takes a free core, or waits for the
-    next scheduler tick (4 ms at HZ=250). The engine's threads leave the class (engine/cpu_threads.py), so
-    their own wake-ups still preempt. Ray's processes wake ~1,600 times a second under load (a 10 ms signal
-    check in every actor, gRPC polls, each streamed step's hops), and where the engine's threads fill the
-    cores each wake-up preempted one of them: ~46,000 involuntary switches of the engine's threads in a
-    served W1 run against ~1,300 offline; ~25,000 with the class. W1 over HTTP on a 2-core Ice Lake host,
-    client outside the class, alternated: 156.4 and 175.7 out tok/s against 144.9 and 159.3. Nothing runs at
-    a lower priority: each thread keeps its nice value and its fair share of CPU time. False where the OS
-    has no such class."""
+    next scheduler tick. The engine's threads leave the class (engine/cpu_threads.py), so their own wake-ups
+    still preempt: Ray's frequent wake-ups (signal checks, gRPC polls, each streamed step's hops) stop
+    preempting the engine (evidence: docs/performance.md). Nothing runs at a lower priority: each thread keeps
+    its nice value and its fair share of CPU time. False where the OS has no such class."""
     try:
         os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
     except (AttributeError, OSError):  # not Linux

@@ -158,9 +158,8 @@ class AsyncLLMEngine:
 
         One thread for both, because each thread that runs torch ops owns an OpenMP team: a team left by
         loading elsewhere puts libgomp's threads over the CPU count, where libgomp waits with its short
-        throttled spin instead of GOMP_SPINCOUNT's (as its environment handling reads), so ops pay the
-        kernel's wake-up again. Loaded on another thread, W1 ran at 391 out tok/s; on the stepping
-        thread, 565 (in-process, measured). `tensor_parallel_launch`: see LLMEngine.
+        throttled spin instead of GOMP_SPINCOUNT's, so ops pay the kernel's wake-up again (W1 ~30% slower,
+        docs/performance.md). `tensor_parallel_launch`: see LLMEngine.
         """
         self._tensor_parallel_launch = tensor_parallel_launch
         self.num_threads = num_threads
@@ -291,9 +290,8 @@ class AsyncLLMEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to their streams: one wake-up per event loop, not one per request.
 
-        Each call_soon_threadsafe wakes the consumer's loop, whose thread then takes a core from the
-        step running beside it (on a 2-core host its OpenMP team waits at every barrier for that core);
-        W1 in-process went 376 -> 386 out tok/s with one wake-up a step instead of one an output.
+        Each call_soon_threadsafe wakes the consumer's loop, whose thread then takes a core from the step
+        running beside it.
         """
         by_sink: dict[int, tuple[_Stream | OutputBatches, list[RequestOutput]]] = {}
         for output in outputs:

@@ -1,18 +1,13 @@
 """How many intra-op threads a CPU engine gets, and how its OpenMP pool waits between ops.
 
-A decode step is hundreds of short parallel regions (four GEMMs, attention and a few elementwise
-passes per layer), with only microseconds of Python between them. Under OMP_WAIT_POLICY=PASSIVE every
-region wakes its sleeping workers through the kernel, ~70 us each on this project's 2-core hosts: a
-batch-1 bfloat16 step took 32 ms that way and 19 ms spinning (batch 64: 95 vs 62 ms, measured). How
-long to spin matters most when the engine shares its cores with the HTTP router, proxy and clients:
-a worker that is descheduled mid-region leaves its partner waiting, and one that sleeps too soon pays
-the wake-up on top. `kvloom serve` on W1 over HTTP: 310 out tok/s at GOMP_SPINCOUNT=3000, 316 at
-30000, 342 at 300000 (~3 ms by libgomp's own estimate of 100,000 spins a millisecond), 346 at 3M and
-344 spinning forever; so kvloom asks for 300000 (libgomp's default when no policy is set) explicitly,
-for every process it starts. An operator's own OMP_WAIT_POLICY (a PASSIVE among them) or GOMP_SPINCOUNT
-is kept. libgomp reads these once, when it loads: they must be in the environment
-before torch is imported (kvloom's package sets its defaults then, and replicas get them through their
-Ray runtime environment). Where every linear is kvloom's own GEMM, its kernels run on a pool of their own
+A decode step is hundreds of short parallel regions with only microseconds of Python between them. Under
+OMP_WAIT_POLICY=PASSIVE every region wakes its sleeping workers through the kernel, and where the engine shares
+its cores with the router and clients a worker that sleeps too soon pays that wake-up on top of being
+descheduled; so kvloom asks for GOMP_SPINCOUNT=300000 (~3 ms, libgomp's own default when no policy is set)
+explicitly, for every process it starts (the measured sweep: docs/performance.md). An operator's own
+OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept. libgomp reads these once, when it loads: they must be in the
+environment before torch is imported (kvloom's package sets its defaults then, and replicas get them through
+their Ray runtime environment). Where every linear is kvloom's own GEMM, its kernels run on a pool of their own
 instead of this team, which keeps one thread (kernels/item_pool.py).
 """
 

@@ -5,8 +5,7 @@ costs as much as the math, and at large ones the unfused elementwise chains (RMS
 SiLU-and-multiply) stream the activations through memory again and again. This decoder runs the
 same math as one QKV GEMM, one gate|up GEMM, residual-add fused with RMSNorm, in-place rotary
 and SiLU-and-multiply per layer, with every weight laid out once for the CPU kernel that runs it best
-(`PackedLinear`: oneDNN's packed GEMM, 1.5-2x MKL's at decode batch sizes, or on AVX-512 CPUs without AMX
-kvloom's own blocked kernel).
+(`PackedLinear`: oneDNN's packed GEMM, or on AVX-512 CPUs without AMX kvloom's own blocked kernel).
 
 Under a bfloat16 model the GEMMs, the KV cache and the attention inputs are bfloat16 (AMX tiles on
 the CPUs that have them), while the residual stream, the norm weights, the rotary tables and every

@@ -11,6 +11,7 @@ a hang.
 import datetime
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,31 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
     """The replica's rendezvous store: rank 0 hosts it (port 0: any free one), the others connect."""
     return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def arrival_key(name: str, rank: int) -> str:
+    return f"kvloom-tp/{name}/arrived/{rank}"
+
+
+def announce_arrival(store: dist.TCPStore, name: str, rank: int) -> None:
+    """A worker reached the rendezvous (its process started and imported kvloom): rank 0 may join the group."""
+    store.set(arrival_key(name, rank), "1")
+
+
+def wait_for_arrivals(store: dist.TCPStore, name: str, world_size: int, dead: Callable[[], str | None],
+                      hint: str, timeout_s: float, poll_s: float = 0.05) -> None:
+    """Rank 0, before joining the group: wait until every other rank has announced itself, failing at once,
+    with `hint`, when one has died first. The group's own join would wait out its whole timeout for a rank that
+    no longer exists and then say only "wait timeout"."""
+    keys = [arrival_key(name, rank) for rank in range(1, world_size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        if (why := dead()) is not None:
+            raise TensorParallelError(f"{why} before joining its group: {hint}")
+        if time.monotonic() > deadline:
+            raise TensorParallelError(f"tensor-parallel ranks did not reach the rendezvous within {timeout_s:g} s: "
+                                      f"{hint}")
+        time.sleep(poll_s)
 
 
 class TensorParallelGroup:

@@ -23,7 +23,7 @@ from kvloom.engine.errors import ModelLoadError
 from kvloom.engine.model_config import ModelConfig
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import Op, StepInputs, control_header
-from kvloom.engine.tp_group import TensorParallelError, TensorParallelGroup, open_store
+from kvloom.engine.tp_group import TensorParallelError, TensorParallelGroup, open_store, wait_for_arrivals
 from kvloom.engine.tp_shards import RankShard, plan_shards
 from kvloom.engine.tp_worker import WorkerSpec, held_bytes, rank_runner_args, run_worker
 from kvloom.kernels.item_pool import intra_op_threads, set_intra_op_threads
@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class Workers(Protocol):
+    hint: str  # what most likely kills a worker before it reaches the rendezvous, for the error that says so
+
     def dead(self) -> str | None: ...  # which worker died, if one did
     def placements(self) -> list[str]: ...  # where each rank runs, rank 0 (this process) first
     def stop(self) -> None: ...
@@ -39,6 +41,10 @@ class Workers(Protocol):
 
 class LocalWorkers:
     """Ranks 1..N-1 as spawned processes of this one (daemons: they end with it)."""
+
+    hint = ("each rank starts as a spawned process that imports the main script again, so a script that builds "
+            "an engine with tensor_parallel_size > 1 needs an `if __name__ == \"__main__\":` guard around that "
+            "code (without one the rank dies in that import; its error is on stderr above)")
 
     def __init__(self, specs: list[WorkerSpec]) -> None:
         context = multiprocessing.get_context("spawn")
@@ -185,6 +191,7 @@ def start_tensor_parallel(config: EngineConfig, model_config: ModelConfig, dtype
     set_intra_op_threads(num_threads)
     shards = plan_shards(model_config, world)
     try:
+        wait_for_arrivals(store, name, world, workers.dead, workers.hint, config.distributed_timeout_s)
         group = TensorParallelGroup(store, name, shards, 0, device, config.distributed_timeout_s)
         runner = TensorParallelRunner(*rank_runner_args(spec(0), group, model_config), group=group, workers=workers,
                                       num_threads=num_threads)

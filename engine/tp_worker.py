@@ -17,7 +17,7 @@ from kvloom.engine.model_files import resolve_model_dir
 from kvloom.engine.model_loader import load_shard_decoder
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import HEADER_LEN, Op, StepInputs
-from kvloom.engine.tp_group import TensorParallelGroup, open_store
+from kvloom.engine.tp_group import TensorParallelGroup, announce_arrival, open_store
 from kvloom.engine.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.item_pool import set_intra_op_threads
@@ -69,6 +69,7 @@ def run_worker(spec: WorkerSpec) -> None:
     if spec.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(spec.device))  # NCCL maps each rank to its current device
     store = open_store(spec.store_host, spec.store_port, is_master=False, timeout_s=spec.timeout_s)
+    announce_arrival(store, spec.group_name, spec.rank)
     model_config = ModelConfig.from_dir(resolve_model_dir(spec.engine_config.model))
     shards = plan_shards(model_config, spec.world_size)
     group = TensorParallelGroup(store, spec.group_name, shards, spec.rank, torch.device(spec.device), spec.timeout_s)

@@ -86,6 +86,5 @@ def host_isa() -> HostISA:
 def auto_cpu_dtype(isa: HostISA) -> str:
     """dtype `auto` on a CPU: bfloat16 where it is the faster dtype, float32 elsewhere. That is where the
     hardware multiplies it, and on any AVX-512 CPU: kvloom's blocked GEMM widens bfloat16 weights to float32 in
-    registers there, so they stream at half the bytes for float32's math (on a 2-core Xeon without bfloat16
-    units, W1 offline ~13% faster than float32 and a batch-1 decode step 1.6x)."""
+    registers there, so they stream at half the bytes for float32's math (measured: docs/performance.md)."""
     return "bfloat16" if isa.fast_bfloat16 or isa.avx512 else "float32"

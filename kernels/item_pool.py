@@ -3,8 +3,7 @@
 Every parallel region of torch's OpenMP team ends at a barrier that each of its threads must reach. On a
 serving host the engine's threads share the cores with the HTTP router, Ray and the client, so one of
 them is often descheduled, and then the other waits at the next barrier for as long as the OS keeps it
-off, even when nothing is left for it to do: a served W1 decode step ran ~18 ms slower than offline while
-the serving processes took ~14 ms of CPU a step. kvloom's kernels deal their work as items
+off, even when nothing is left for it to do (docs/performance.md). kvloom's kernels deal their work as items
 (kernels/cpu_deal.h); on the item pool a call is over once its items are, and the threads still running
 take the descheduled one's share. The pool runs only kvloom's kernels, so it is used where they are all
 a step's heavy work: every linear is the blocked GEMM (AVX-512 CPUs without AMX). Elsewhere

@@ -1,24 +1,15 @@
 """Linear layers whose weights are laid out once for the CPU kernel that runs them best (float32 or bfloat16).
 
-torch's eager `F.linear` on CPU is MKL's sgemm, which re-packs the weight on every call and is
-weak at the row counts decode runs at. oneDNN with the weight packed ahead of time is much
-faster there: measured on this project's 2-core AMD EPYC (Zen 3) hosts, at 64 rows the 576x3072
-gate|up GEMM went 99 -> 155 GFLOP/s and the 576x49152 LM head 55 -> 120. At 2048 rows (a full
-prefill step) MKL is up to 10% ahead on some shapes; decode steps dominate serving, so every
-step uses the packed weight rather than holding both copies. In bfloat16 on a CPU with AMX tiles the
-packed weight feeds them directly: on this project's Intel Xeon hosts, at 64 rows, 1.7-1.9x torch's
-bfloat16 `F.linear` (1,880-2,240 vs 1,050-1,160 GFLOP/s) and 6x float32.
-
-On other AVX-512 CPUs kvloom's own kernel (cpu_gemm.cpp) runs the weight laid out in blocks of 32 outputs
-by 32-bit words of inputs (a pair of bfloat16 or one float32). With AVX512-BF16 dot products and no AMX (AMD
-Zen 4), oneDNN's bfloat16 GEMM is weak below a few hundred rows: measured on the 2-core EPYC, SmolLM2's
-linears at 16 rows 1.3-2x oneDNN's GFLOP/s, at 48 rows 1.0-1.6x, at 2048 rows on a par. Without bfloat16
-units (a Xeon with AVX-512 only) oneDNN would emulate bfloat16, and the kernel widens the weights in
-registers instead: they stream at half of float32's bytes for float32's math (SmolLM2's 30 layers at 1
-row 10.7 ms against 17.1 in float32, at 48 rows 174 against 161 GFLOP/s); its float32 blocks beat oneDNN's
-packed float32 there at decode's row counts (48 rows: 186-221 against 142-193 GFLOP/s, alternated, a noisy
-host) and give up ~10% at 256 rows and more. Packed tensors are opaque (only their kernel reads them);
-elsewhere (GPUs, float16, builds without oneDNN) the weight stays dense and `F.linear` runs as before.
+torch's eager `F.linear` on CPU is MKL's sgemm, which re-packs the weight on every call and is weak at the row
+counts decode runs at; oneDNN with the weight packed ahead of time is much faster there, and with AMX tiles it
+runs bfloat16 on them directly. On other AVX-512 CPUs kvloom's own kernel (cpu_gemm.cpp) runs the weight laid
+out in blocks of 32 outputs by 32-bit words of inputs (a pair of bfloat16 or one float32): with AVX512-BF16 dot
+products oneDNN's bfloat16 GEMM is weak below a few hundred rows, and without bfloat16 units oneDNN would emulate
+bfloat16 where this kernel widens the weights in registers (half of float32's bytes at float32's math). Packed
+tensors are opaque (only their kernel reads them); elsewhere (GPUs, float16, builds without oneDNN) the weight
+stays dense and `F.linear` runs as before. The choice is made from the CPU's flags and the host's builds alone
+(`choose_layout`), apart from the one step that lays the weight out (`lay_out`). The measurements behind each
+choice: docs/performance.md, "Design choices".
 """
 
 import enum

@@ -42,6 +42,8 @@ def ray_launch(device: str, num_cpus: float, num_gpus: float) -> dict:
 
 
 class RayWorkers:
+    hint = "see the worker actor's log (Ray's worker logs on its node) for why it stopped"
+
     def __init__(self, specs: list[WorkerSpec], num_cpus: float, num_gpus: float) -> None:
         group = get_current_placement_group()
         if group is None:

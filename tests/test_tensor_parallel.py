@@ -9,6 +9,8 @@ none on these 12 prompts in float32).
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -207,6 +209,22 @@ def test_a_dead_worker_fails_the_next_step_naming_its_rank(smollm2_dir, prompts)
         engine.step()
     assert time.monotonic() - started < 10  # the group's timeout bounds it: no hang
     engine.shutdown()
+
+
+def test_a_script_without_a_main_guard_is_told_so_at_once_instead_of_waiting_out_the_timeout(tmp_path, tiny_model_dir):
+    """Local ranks are spawned processes that import the main script again: without the guard a rank dies in that
+    import, and rank 0 says so, naming the guard and the rank's exit, instead of waiting the group's whole timeout
+    (600 s here, past this test's limit) for it to join."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("from kvloom.engine.llm import LLM\n"
+                      f"LLM(model={str(tiny_model_dir)!r}, dtype='float32', tensor_parallel_size=2, "
+                      "distributed_timeout_s=600)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert "TensorParallelError: tensor-parallel rank 1" in last and "exited with code 1 before joining" in last, last
+    assert 'if __name__ == "__main__":' in last
 
 
 def test_the_nvlink_prediction_shows_its_arithmetic():
