@@ -23,6 +23,8 @@ from pathlib import Path
 from kvloom.benchmarks.metrics import RequestRecord
 from kvloom.benchmarks.serving_cpu import own_cpu_seconds
 from kvloom.benchmarks.workloads import Workload, WorkloadRequest
+from kvloom.engine.sampling import SamplingParams
+from kvloom.replicas.messages import SubmitRequest
 
 ADDRESS_LINE = re.compile(r"kvloom status --address (\S+)")  # what `kvloom serve` prints once its replicas report
 
@@ -33,10 +35,10 @@ def cluster_address(serve_log: str) -> str | None:
     return found.group(1) if found else None
 
 
-def payload(request: WorkloadRequest) -> dict:
+def submit_message(request: WorkloadRequest) -> SubmitRequest:
     """What the router would submit for the HTTP replay's request (greedy, `ignore_eos`, text detokenized)."""
-    return {"request_id": request.request_id, "prompt_token_ids": list(request.prompt),
-            "sampling": {"max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True}}
+    return SubmitRequest(request_id=request.request_id, prompt_token_ids=list(request.prompt),
+                         sampling=SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True))
 
 
 async def replay_replica(handle, workload: Workload, timeout_s: float = 900) -> tuple[list[RequestRecord], float]:
@@ -44,7 +46,7 @@ async def replay_replica(handle, workload: Workload, timeout_s: float = 900) -> 
     the last finish."""
     channel = uuid.uuid4().hex
     outputs = handle.options(stream=True).outputs.remote(channel)
-    replica = (await outputs.__anext__())["replica"]  # the channel's first item names its replica
+    replica = (await outputs.__anext__()).replica  # the channel's first item names its replica
     arrived: dict[str, float] = {}
     finished: dict[str, float] = {}
     tokens: dict[str, list[int]] = defaultdict(list)
@@ -54,20 +56,20 @@ async def replay_replica(handle, workload: Workload, timeout_s: float = 900) -> 
     async def submit(request: WorkloadRequest) -> None:
         await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
         arrived[request.request_id] = time.monotonic()
-        reply = await handle.submit.remote(payload(request), channel, target_replica=replica)
-        if "error" in reply:
-            raise RuntimeError(f"{request.request_id}: {reply['error']['message']}")
+        reply = await handle.submit.remote(submit_message(request), channel, target_replica=replica)
+        if reply.error is not None:
+            raise RuntimeError(f"{request.request_id}: {reply.error.message}")
 
     async def read() -> None:
-        async for item in outputs:
+        async for step in outputs:
             now = time.monotonic()
-            for chunk in item["chunks"]:
-                if "error" in chunk:
-                    raise RuntimeError(f"{chunk['request_id']}: {chunk['error']['message']}")
-                request_id = chunk["request_id"]
-                tokens[request_id] += chunk["token_ids"]
-                times[request_id] += [now] * len(chunk["token_ids"])
-                if chunk["finish_reason"] is not None:
+            for chunk in step.chunks:
+                if chunk.error is not None:
+                    raise RuntimeError(f"{chunk.request_id}: {chunk.error.message}")
+                request_id = chunk.request_id
+                tokens[request_id] += chunk.token_ids
+                times[request_id] += [now] * len(chunk.token_ids)
+                if chunk.finish_reason is not None:
                     finished[request_id] = now
             if len(finished) == len(workload.requests):
                 return

@@ -102,14 +102,14 @@ class OutputBatches:
     def add(self, request: Request, start: Callable[[LLMEngine], None] | None = None) -> None:
         """Queue `request` on the engine (by `start`, if given); its outputs come out of `next_batch`.
         Raises InvalidRequestError, queuing nothing, for an id that is still streaming."""
-        self.engine._open(request, self, start)
+        self.engine.open_stream(request, self, start)
         self.live.add(request.request_id)
 
     def forget(self, request_id: str) -> None:
         """Abort a request (if it still runs) and drop its outputs from now on."""
         if request_id in self.live:
             self.live.discard(request_id)
-            self.engine._close(request_id)
+            self.engine.close_stream(request_id)
 
     def accept(self, outputs: list[RequestOutput]) -> None:
         self.queue.put_nowait(outputs)
@@ -142,7 +142,7 @@ class OutputBatches:
         for request_id, output in joined.items():
             if isinstance(output, FailedRequest) or output.finished:
                 self.live.discard(request_id)
-                self.engine._streams.pop(request_id, None)
+                self.engine.stream_ended(request_id)
         return list(joined.values())
 
     def close(self) -> None:
@@ -196,7 +196,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a prepared request; `start` (default: queue it) runs on the engine thread."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._open(request, stream, start)
+        self.open_stream(request, stream, start)
         finished = False
         error: BaseException | None = None  # met while coalescing: raised after what came before it
         try:
@@ -211,25 +211,31 @@ class AsyncLLMEngine:
                 yield item
         finally:
             if finished:
-                self._streams.pop(request.request_id, None)
+                self.stream_ended(request.request_id)
             else:
-                self._close(request.request_id)
+                self.close_stream(request.request_id)
 
     def abort(self, request_id: str) -> None:
         self._send(lambda engine: engine.abort(request_id))
 
-    def _open(self, request: Request, sink: "_Stream | OutputBatches",
-              start: Callable[[LLMEngine], None] | None = None) -> None:
-        """Refused here, not on the engine thread, while the id still streams: its twin would take over
-        the stream, and failing or closing the twin would then abort the original."""
+    def open_stream(self, request: Request, sink: "_Stream | OutputBatches",
+                    start: Callable[[LLMEngine], None] | None = None) -> None:
+        """Queue `request` (by `start` on the engine thread, if given), its outputs going to `sink`. Refused
+        here, not on the engine thread, while the id still streams: its twin would take over the stream, and
+        failing or closing the twin would then abort the original."""
         if request.request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         self._streams[request.request_id] = sink
         self._send(start or (lambda engine: engine.add_prepared(request)), sink, request.request_id)
 
-    def _close(self, request_id: str) -> None:
+    def close_stream(self, request_id: str) -> None:
+        """The stream's consumer is gone: abort the request (if it still runs)."""
         self._streams.pop(request_id, None)
         self.abort(request_id)
+
+    def stream_ended(self, request_id: str) -> None:
+        """The request finished (or failed) and its consumer has its last output: the id may be used again."""
+        self._streams.pop(request_id, None)
 
     async def run_on_engine(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine thread (the only one that may touch engine state)."""

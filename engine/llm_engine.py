@@ -247,6 +247,11 @@ class LLMEngine:
                 "(prompt plus at least one generated token must fit)",
             )
         room = self.max_model_len - len(token_ids)
+        if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise InvalidRequestError("min_tokens", f"is {params.min_tokens}, but max_model_len is "
+                                          f"{self.max_model_len} and the prompt takes {len(token_ids)} tokens of it")
+            params = params.model_copy(update={"max_tokens": room})
         if params.max_tokens > room:  # as vLLM and OpenAI answer, rather than stopping short silently
             raise InvalidRequestError(
                 "max_tokens",

@@ -28,7 +28,7 @@ class StructuredOutputs(BaseModel):
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, description="None: as many as max_model_len leaves after the prompt")
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0)

@@ -9,6 +9,7 @@ The KV transports (torch) are imported inside the actors, as the engine is (see 
 """
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import asdict
 
@@ -16,6 +17,7 @@ import ray
 
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.replicas.engine_replica import EngineReplica
+from kvloom.replicas.messages import Chunk, Handoff, ReplicaStats, SubmitRequest
 
 RESERVE_POLL_S = 0.01
 
@@ -29,10 +31,10 @@ class PrefillReplica(EngineReplica):
         await super().__init__(*args, **kwargs)
         self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
 
-    async def prefill(self, request: dict, target_replica: str | None = None) -> dict:
-        """First token of a request; `handoff` in the reply means "decode the rest elsewhere"."""
+    async def prefill(self, message: SubmitRequest, target_replica: str | None = None) -> Chunk:
+        """First token of a request; a `handoff` in the chunk means "decode the rest elsewhere"."""
         try:
-            req = self.make_request(request)
+            req = self.make_request(message)
         except (InvalidRequestError, ValueError) as exc:
             return self.error_chunk(exc)
         wanted = req.sampling_params.max_tokens
@@ -41,10 +43,10 @@ class PrefillReplica(EngineReplica):
         async for output in self.engine.generate_request(req):
             last = output
         chunk = self.chunk(last)
-        if req.park_kv and chunk["finish_reason"] == "length":
+        if req.park_kv and chunk.finish_reason == "length":
             if last.request_id in self.engine.engine.parked:
-                chunk["finish_reason"] = None
-                chunk["handoff"] = {"prefill_replica": self.replica_id, "num_tokens": len(req.prompt_token_ids)}
+                chunk.finish_reason = None
+                chunk.handoff = Handoff(self.replica_id, len(req.prompt_token_ids))
         elif req.park_kv:  # finished for real (EOS, stop): nothing to hand off
             await self.release(req.request_id)
         return chunk
@@ -84,8 +86,8 @@ class DecodeReplica(EngineReplica):
         self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
         self.kv_store = self.pairs.host_store()
 
-    def stats(self) -> dict:
-        return {**super().stats(), "kv_store": getattr(self, "kv_store", None)}
+    def stats(self) -> ReplicaStats:
+        return dataclasses.replace(super().stats(), kv_store=getattr(self, "kv_store", None))
 
     async def _receive(self, transfer: dict, prompt_len: int):
         from kvloom.engine.kv_handoff import KVHeader, KVTransferError
@@ -110,13 +112,13 @@ class DecodeReplica(EngineReplica):
             raise KVTransferError(f"KV covers {header.num_tokens} tokens, the prompt has {prompt_len}")
         return payload
 
-    async def decode(self, request: dict, first_token: int, transfer: dict,
-                     target_replica: str | None = None) -> AsyncIterator[dict]:
+    async def decode(self, message: SubmitRequest, first_token: int, transfer: dict,
+                     target_replica: str | None = None) -> AsyncIterator[Chunk]:
         """Reserve blocks, receive the KV, acknowledge (`kv_received`), then stream the rest."""
         from kvloom.engine.kv_handoff import activate_kv, reserve_kv
 
         try:
-            req = self.make_request(request)
+            req = self.make_request(message)
         except (InvalidRequestError, ValueError) as exc:
             yield self.error_chunk(exc)
             return
@@ -127,7 +129,7 @@ class DecodeReplica(EngineReplica):
         except BaseException:
             await self.engine.run_on_engine(lambda engine: engine.release_parked(req.request_id))
             raise
-        yield {"replica": self.replica_id, "kv_received": True}
+        yield Chunk(self.replica_id, req.request_id, kv_received=True)
         start = lambda engine: activate_kv(engine, req, first_token, payload)  # noqa: E731
         async for output in self.engine.generate_request(req, start):
             yield self.chunk(output)

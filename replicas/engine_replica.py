@@ -1,9 +1,9 @@
 """EngineReplica: one AsyncLLMEngine per Ray Serve replica (a GPU, or a CPU slot).
 
-The router submits requests with a short call and reads every request's plain-dict chunks (they cross
-process boundaries) back over one output channel per router process, a step's worth per message (see
-router/channels.py). Bad input is answered with an error chunk instead of an exception, so the router
-can answer 400 before any byte is sent. Stats go to the router every `stats_period_s`, which is how the
+The router submits requests with a short call and reads every request's chunks back over one output channel
+per router process, a step's worth per message (see router/channels.py; the messages: replicas/messages.py).
+Bad input is answered with an error reply instead of an exception, so the router can answer 400 before any
+byte is sent. Stats go to the router every `stats_period_s`, which is how the
 router learns which replicas exist, how loaded they are and which prefixes they hold. The router answers
 each push with the number of replicas on this replica's node, so that CPU replicas split the node's
 cores between them: a lone one uses them all (unless the config fixes `torch_threads`).
@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import ray
+from pydantic import ValidationError
 from ray import serve
 
 from kvloom.cluster.logs import serve_logger_as_json
@@ -30,7 +31,7 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.outputs import RequestOutput
-from kvloom.engine.sampling import SamplingParams
+from kvloom.replicas.messages import Chunk, ReplicaError, ReplicaStats, StepChunks, SubmitReply, SubmitRequest
 
 if TYPE_CHECKING:
     from kvloom.engine.async_engine import OutputBatches
@@ -118,92 +119,81 @@ class EngineReplica:
             self.threads = threads
             self.engine.set_num_threads(threads)
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         engine = self.engine.engine
         s = engine.stats()
-        return {
-            "replica_id": self.replica_id,
-            "role": self.role,
-            "node_id": self.node_id,
-            "device": str(engine.device),
-            "torch_threads": self.threads,
-            "tensor_parallel_size": self.config.tensor_parallel_size,
-            "ranks": [rank_summary(r) for r in getattr(engine.runner, "reports", [])],
-            "dtype": str(engine.dtype).removeprefix("torch."),
-            "max_num_seqs": self.config.max_num_seqs,
-            "block_size": engine.block_size,
-            "max_model_len": engine.max_model_len,
-            "num_running": s.num_running,
-            "num_waiting": s.num_waiting,
-            "num_blocks": s.num_blocks,
-            "num_free_blocks": s.num_free_blocks,
-            "kv_cache_usage": s.kv_cache_usage,
-            "prefix_cache_queries": s.prefix_cache_queries,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "num_preemptions": s.num_preemptions,
-            "engine_steps": s.num_steps,
-            "engine_step_requests": s.batch_slots,
-            "engine_step_seconds": s.step_seconds,
-            "spec_decode": dataclasses.asdict(engine.spec_decode_stats) if engine.spec_decode_stats else None,
-            "cached_prefix_hashes": engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
-            "healthy": self.engine.dead_error is None,
-            "time": time.time(),
-        }
-
-    def make_request(self, request: dict) -> Request:
-        """Validate a router payload; a missing max_tokens means "up to max_model_len"."""
-        engine = self.engine.engine
-        sampling = dict(request["sampling"])
-        sampling.setdefault("max_tokens", max(1, engine.max_model_len - len(request["prompt_token_ids"])))
-        req = engine.make_request(
-            request["request_id"], request["prompt_token_ids"], SamplingParams(**sampling), request.get("priority", 0)
+        return ReplicaStats(
+            replica_id=self.replica_id, role=self.role, node_id=self.node_id, device=str(engine.device),
+            dtype=str(engine.dtype).removeprefix("torch."), torch_threads=self.threads,
+            tensor_parallel_size=self.config.tensor_parallel_size,
+            ranks=[rank_summary(r) for r in getattr(engine.runner, "reports", [])],
+            max_num_seqs=self.config.max_num_seqs, block_size=engine.block_size, max_model_len=engine.max_model_len,
+            num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks, kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
+            engine_step_seconds=s.step_seconds,
+            spec_decode=dataclasses.asdict(engine.spec_decode_stats) if engine.spec_decode_stats else None,
+            cached_prefix_hashes=engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
+            healthy=self.engine.dead_error is None, time=time.time(),
         )
-        req.fork_of = request.get("fork_of")
+
+    def make_request(self, message: SubmitRequest | dict) -> Request:
+        """The engine's request for a router's message (a dict is validated as one first)."""
+        message = SubmitRequest.model_validate(message)
+        req = self.engine.engine.make_request(message.request_id, message.prompt_token_ids, message.sampling,
+                                              message.engine_priority)
+        req.fork_of = message.fork_of
         return req
 
-    def error_chunk(self, exc: Exception) -> dict:
-        return {"error": {"message": str(exc), "param": getattr(exc, "field", None)}, "replica": self.replica_id}
+    def refusal(self, exc: Exception) -> ReplicaError:
+        """A pydantic error names its first field; an engine error carries the field it names."""
+        if isinstance(exc, ValidationError):
+            first = exc.errors()[0]
+            return ReplicaError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}", str(first["loc"][0]))
+        return ReplicaError(str(exc), getattr(exc, "field", None))
 
-    def chunk(self, output: RequestOutput) -> dict:
+    def error_chunk(self, exc: Exception, request_id: str = "") -> Chunk:
+        return Chunk(self.replica_id, request_id, error=self.refusal(exc))
+
+    def chunk(self, output: RequestOutput) -> Chunk:
         completion = output.outputs[0]
-        return {
-            "replica": self.replica_id,
-            "text": completion.delta_text,
-            "token_ids": completion.delta_token_ids,
-            "logprobs": completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
-            "finish_reason": completion.finish_reason,
-            "prompt_tokens": len(output.prompt_token_ids),
-            "completion_tokens": len(completion.token_ids),
-            "cached_tokens": output.num_cached_tokens,
-        }
+        return Chunk(
+            self.replica_id, output.request_id, completion.delta_text, completion.delta_token_ids,
+            completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
+            completion.finish_reason, len(output.prompt_token_ids), len(completion.token_ids),
+            output.num_cached_tokens,
+        )
 
-    async def submit(self, request: dict, channel: str, target_replica: str | None = None) -> dict:
-        """Queue a request whose chunks go out on `channel` (see `outputs`). Answers which replica took it,
-        or an error chunk for bad input (so the router can answer 400 before any byte is sent). With
-        `output_token_ids` (and `emitted_chars`) it continues a stream whose replica died."""
-        output, emitted = request.get("output_token_ids"), request.get("emitted_chars", 0)
+    async def submit(self, message: SubmitRequest | dict, channel: str,
+                     target_replica: str | None = None) -> SubmitReply:
+        """Queue a request whose chunks go out on `channel` (see `outputs`). Answers which replica took it, or
+        why it refused it (so the router can answer 400 before any byte is sent). With a `continuation` it
+        continues a stream whose replica died."""
         try:
-            req = self.make_request(request)
-            start = (lambda engine: engine.add_continued(req, output, emitted)) if output else None
+            message = SubmitRequest.model_validate(message)
+            req = self.make_request(message)
+            go_on = message.continuation
+            start = (lambda engine: engine.add_continued(req, go_on.output_token_ids, go_on.emitted_chars)) \
+                if go_on else None
             self._channel(channel).add(req, start)
-        except (InvalidRequestError, ValueError) as exc:
-            return self.error_chunk(exc)
-        return {"replica": self.replica_id}
+        except (InvalidRequestError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            return SubmitReply(self.replica_id, self.refusal(exc))
+        return SubmitReply(self.replica_id)
 
-    async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[dict]:
+    async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[StepChunks]:
         """The chunks of every request submitted on `channel`, a step's worth per item: one Ray message per
         engine step instead of one per running request. The first item, at once, names this replica; a
         request's chunks carry its `request_id`. Closing the stream aborts the requests still on it."""
-        yield {"replica": self.replica_id, "chunks": []}
+        yield StepChunks(self.replica_id)
         if target_replica not in (None, self.replica_id):
             return  # Serve routed it here because the target is gone: the router learns that from the first item
         batches = self._channel(channel)
         try:
             while True:
                 outputs = await batches.next_batch()
-                yield {"replica": self.replica_id, "chunks": [
-                    {"request_id": o.request_id, **(self.chunk(o) if isinstance(o, RequestOutput)
-                                                    else self.error_chunk(o.error))} for o in outputs]}
+                yield StepChunks(self.replica_id, [self.chunk(o) if isinstance(o, RequestOutput)
+                                                   else self.error_chunk(o.error, o.request_id) for o in outputs])
         finally:
             if self.channels.get(channel) is batches:
                 del self.channels[channel]

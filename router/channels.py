@@ -6,7 +6,7 @@ a step's worth per Ray message, and are handed to each request's own queue here.
 step instead of one per running request: at 64 streams that was most of the CPU serving spent
 beyond the forward pass, on hosts where the router, the proxy and the engine share a few cores.
 
-To the dispatcher a request still looks like one replica's stream (`open(payload, replica_id)`, an
+To the dispatcher a request still looks like one replica's stream (`open(message, replica_id)`, an
 async iterator of chunks with `cancel()`). A replica whose channel breaks fails every request on it
 with `ReplicaGone` (or Ray's own error), which the dispatcher treats like a replica that died.
 """
@@ -14,6 +14,8 @@ with `ReplicaGone` (or Ray's own error), which the dispatcher treats like a repl
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+
+from kvloom.replicas.messages import Chunk, SubmitRequest
 
 
 class ReplicaGone(RuntimeError):
@@ -29,8 +31,8 @@ class ReplicaChannels:
         self.requests: dict[str, "ChannelStream"] = {}
         self._listeners: dict[str, asyncio.Task] = {}
 
-    def open(self, payload: dict, replica_id: str) -> "ChannelStream":
-        return ChannelStream(self, payload, replica_id)
+    def open(self, message: SubmitRequest, replica_id: str) -> "ChannelStream":
+        return ChannelStream(self, message, replica_id)
 
     def listen(self, replica_id: str) -> None:
         """Make sure the replica's channel is being read (opened on the first request sent there)."""
@@ -41,12 +43,12 @@ class ReplicaChannels:
         stream = self.handle.options(stream=True).outputs.remote(self.channel_id, target_replica=replica_id)
         error: BaseException = ReplicaGone(f"replica {replica_id} closed its output channel")
         try:
-            async for item in stream:
-                if item["replica"] != replica_id:  # Serve sent the call elsewhere: the target is gone
+            async for step in stream:
+                if step.replica != replica_id:  # Serve sent the call elsewhere: the target is gone
                     error = ReplicaGone(f"replica {replica_id} is gone")
                     break
-                for chunk in item["chunks"]:
-                    request = self.requests.get(chunk["request_id"])
+                for chunk in step.chunks:
+                    request = self.requests.get(chunk.request_id)
                     if request is not None:
                         request.queue.put_nowait(chunk)
         except Exception as exc:  # the replica died (RayActorError) or its channel broke
@@ -61,10 +63,10 @@ class ReplicaChannels:
 class ChannelStream:
     """One request's chunks: the dispatcher iterates it and cancels it if it stops early."""
 
-    def __init__(self, owner: ReplicaChannels, payload: dict, replica_id: str) -> None:
+    def __init__(self, owner: ReplicaChannels, message: SubmitRequest, replica_id: str) -> None:
         self.owner = owner
-        self.payload = payload
-        self.request_id = payload["request_id"]
+        self.message = message
+        self.request_id = message.request_id
         self.replica_id: str | None = None  # where it runs, once submitted
         self.target = replica_id
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -75,23 +77,23 @@ class ChannelStream:
             self.finished = True
             self.owner.handle.abort.remote(self.request_id, target_replica=self.replica_id)
 
-    async def __aiter__(self) -> AsyncIterator[dict]:
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
         owner = self.owner
         owner.requests[self.request_id] = self
         try:
-            reply = await owner.handle.submit.remote(self.payload, owner.channel_id, target_replica=self.target)
-            if "error" in reply:
+            reply = await owner.handle.submit.remote(self.message, owner.channel_id, target_replica=self.target)
+            if reply.error is not None:
                 self.finished = True
-                yield reply
+                yield Chunk(reply.replica, self.request_id, error=reply.error)
                 return
-            self.replica_id = reply["replica"]
+            self.replica_id = reply.replica
             owner.listen(self.replica_id)
             while not self.finished:
                 chunk = await self.queue.get()
                 if isinstance(chunk, BaseException):
                     self.finished = True  # nothing left to abort there
                     raise chunk
-                self.finished = "error" in chunk or chunk["finish_reason"] is not None
+                self.finished = chunk.finished
                 yield chunk
         finally:
             owner.requests.pop(self.request_id, None)

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import ray.exceptions
 
+from kvloom.replicas.messages import Chunk, SubmitRequest
 from kvloom.router.replica_table import ReplicaState, ReplicaTable
 
 DECODE_WAIT_S = 0.01
@@ -29,8 +30,12 @@ class DisaggStreams:
         self.transport = transport
         self._tags = itertools.count(1)
 
-    def open(self, payload: dict, prefill_replica: str) -> "HandoffStream":
-        return HandoffStream(self, payload, prefill_replica)
+    def open(self, message: SubmitRequest, prefill_replica: str) -> "HandoffStream":
+        return HandoffStream(self, message, prefill_replica)
+
+    def next_tag(self) -> int:
+        """A fresh tag for a torch.distributed KV transfer (a pair's transfers never share one)."""
+        return next(self._tags)
 
     async def take_decode_replica(self) -> ReplicaState:
         """The least loaded decode replica with credit, waiting while all are full."""
@@ -41,11 +46,11 @@ class DisaggStreams:
 
 
 class HandoffStream:
-    def __init__(self, owner: DisaggStreams, payload: dict, prefill_replica: str) -> None:
+    def __init__(self, owner: DisaggStreams, message: SubmitRequest, prefill_replica: str) -> None:
         self.owner = owner
-        self.payload = payload
+        self.message = message
         self.prefill_replica = prefill_replica
-        self.request_id = payload["request_id"]
+        self.request_id = message.request_id
         self._decode_response = None
         self._parked = False
 
@@ -59,17 +64,17 @@ class HandoffStream:
             self._parked = False
             self.owner.prefill.release.remote(self.request_id, target_replica=self.prefill_replica)
 
-    async def __aiter__(self) -> AsyncIterator[dict]:
+    async def __aiter__(self) -> AsyncIterator[Chunk]:
         owner = self.owner
-        first = await owner.prefill.prefill.remote(self.payload, target_replica=self.prefill_replica)
-        handoff = first.pop("handoff", None)
+        first = await owner.prefill.prefill.remote(self.message, target_replica=self.prefill_replica)
+        handoff, first.handoff = first.handoff, None
         self._parked = handoff is not None
         yield first
         if handoff is None:
             return
         decode = await owner.take_decode_replica()
         try:
-            async for chunk in self._decode(decode, first["token_ids"][0]):
+            async for chunk in self._decode(decode, first.token_ids[0]):
                 yield chunk
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
             owner.decode_table.drop(decode.replica_id)  # don't route more hand-offs to it
@@ -78,21 +83,21 @@ class HandoffStream:
             owner.decode_table.give_back(decode)
             self._release_prefill()
 
-    async def _decode(self, decode: ReplicaState, first_token: int) -> AsyncIterator[dict]:
+    async def _decode(self, decode: ReplicaState, first_token: int) -> AsyncIterator[Chunk]:
         owner = self.owner
         sending = None
         if owner.transport == "object_store":
             exported = await owner.prefill.export_kv.remote(self.request_id, target_replica=self.prefill_replica)
             transfer = {"transport": "object_store", **exported}
         else:
-            tag = next(owner._tags)
+            tag = owner.next_tag()
             transfer = {"transport": "torch_distributed", "prefill_replica": self.prefill_replica, "tag": tag}
-            sending = owner.prefill.send_kv.remote(self.request_id, decode.replica_id, decode.stats["kv_store"], tag,
+            sending = owner.prefill.send_kv.remote(self.request_id, decode.replica_id, decode.stats.kv_store, tag,
                                                    target_replica=self.prefill_replica)
         self._decode_response = owner.decode.options(stream=True).decode.remote(
-            self.payload, first_token, transfer, target_replica=decode.replica_id)
+            self.message, first_token, transfer, target_replica=decode.replica_id)
         async for chunk in self._decode_response:
-            if chunk.get("kv_received"):
+            if chunk.kv_received:
                 if sending is not None:
                     await sending
                 self._release_prefill()  # the decode side holds the KV now

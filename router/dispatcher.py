@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import ray.exceptions
 
 from kvloom.engine.errors import EngineDeadError
+from kvloom.replicas.messages import Chunk, Continuation, SubmitRequest
 from kvloom.router.admission import AdmissionQueue, Ticket
 from kvloom.router.channels import ReplicaGone
 from kvloom.router.errors import APIError
@@ -47,8 +48,7 @@ class Delivered:
 
 @dataclass
 class Job:
-    request_id: str
-    payload: dict  # what EngineReplica.generate takes
+    message: SubmitRequest  # what the replica gets (its engine priority and continuation are set per attempt)
     prompt_hashes: list[int]
     tenant: Tenant = field(default_factory=Tenant.anonymous)
     priority: int = 0  # effective class (the tenant may or may not ask for better)
@@ -61,20 +61,24 @@ class Job:
     def shares_prompt(self) -> bool:
         """A prompt's later choice (n > 1): it forks the first choice's prompt KV and rides on that choice's
         admission, so the prompt counts once, as OpenAI and vLLM count it, in usage, quotas and fair share."""
-        return "fork_of" in self.payload
+        return self.message.fork_of is not None
+
+    @property
+    def request_id(self) -> str:
+        return self.message.request_id
 
 
 class Dispatcher:
     def __init__(self, streams, admission: AdmissionQueue, metrics: RouterMetrics, max_retries: int = 2,
                  retry_wait_s: float = 60.0) -> None:
-        self.streams = streams  # ReplicaChannels or DisaggStreams: `open(payload, replica_id)`, `resumable`
+        self.streams = streams  # ReplicaChannels or DisaggStreams: `open(message, replica_id)`, `resumable`
         self.admission = admission
         self.metrics = metrics
         self.max_retries = max_retries
         self.retry_wait_s = retry_wait_s
         self.active = 0  # requests between admission and their last chunk (what a drain waits for)
 
-    async def run(self, job: Job) -> AsyncIterator[dict]:
+    async def run(self, job: Job) -> AsyncIterator[Chunk]:
         self.active += 1
         try:
             async for chunk in self._run(job):
@@ -82,7 +86,7 @@ class Dispatcher:
         finally:
             self.active -= 1
 
-    async def _run(self, job: Job) -> AsyncIterator[dict]:
+    async def _run(self, job: Job) -> AsyncIterator[Chunk]:
         tenant, admitted = job.tenant, not job.shares_prompt
         try:
             if admitted:
@@ -107,20 +111,21 @@ class Dispatcher:
         tenant.reject(exc.code)
         self.metrics.rejected.labels(tenant.name, exc.code or "error").inc()
 
-    async def _attempts(self, job: Job, ticket: Ticket) -> AsyncIterator[dict]:
+    async def _attempts(self, job: Job, ticket: Ticket) -> AsyncIterator[Chunk]:
         delivered = Delivered()
         for attempt in range(self.max_retries + 1):
             replica = await self._acquire(job, ticket, attempt)
             finished = False
-            payload = {**job.payload, "priority": ticket.engine_priority}
             if attempt > 0:
                 self.metrics.moved.labels(job.tenant.name, "continued" if delivered.token_ids else "retried").inc()
-            if delivered.token_ids:
-                payload.update(output_token_ids=list(delivered.token_ids), emitted_chars=delivered.chars)
-            response = self.streams.open(payload, replica.replica_id)
+            continuation = Continuation(output_token_ids=list(delivered.token_ids), emitted_chars=delivered.chars) \
+                if delivered.token_ids else None
+            message = job.message.model_copy(update={"engine_priority": ticket.engine_priority,
+                                                     "continuation": continuation})
+            response = self.streams.open(message, replica.replica_id)
             try:
                 async for chunk in self._observed(job, ticket, response, delivered):
-                    finished = chunk.get("finish_reason") is not None or "error" in chunk
+                    finished = chunk.finished
                     yield chunk
                 return
             except (ray.exceptions.RayError, ReplicaGone) as exc:
@@ -151,35 +156,35 @@ class Dispatcher:
             raise APIError(503, f"replica failed and no other was ready within {self.retry_wait_s:g} s",
                            code="replica_failed") from None
 
-    async def _observed(self, job: Job, ticket: Ticket, response, delivered: Delivered) -> AsyncIterator[dict]:
+    async def _observed(self, job: Job, ticket: Ticket, response, delivered: Delivered) -> AsyncIterator[Chunk]:
         """Account every streamed token to the tenant as it passes, once however many replicas the stream
         took (aborted requests count too), and note what the client has in `delivered`. A prompt's later
         choices count their generated tokens only."""
         tenant, label, own_prompt = job.tenant, job.tenant.name, not job.shares_prompt
         async for chunk in response:
-            generated = len(chunk.get("token_ids") or ())
-            if "error" not in chunk and delivered.first_token_at is None and generated:
+            generated = len(chunk.token_ids)
+            if chunk.error is None and delivered.first_token_at is None and generated:
                 delivered.first_token_at = time.monotonic()
                 self.metrics.ttft.labels(label).observe(delivered.first_token_at - job.arrival)
                 if own_prompt:
-                    self.metrics.prompt_tokens.labels(label).inc(chunk["prompt_tokens"])
-                    tenant.usage.prompt_tokens += chunk["prompt_tokens"]
-            if "error" not in chunk:
-                delivered.token_ids += chunk.get("token_ids") or ()
-                delivered.chars += len(chunk.get("text") or "")
+                    self.metrics.prompt_tokens.labels(label).inc(chunk.prompt_tokens)
+                    tenant.usage.prompt_tokens += chunk.prompt_tokens
+            if chunk.error is None:
+                delivered.token_ids += chunk.token_ids
+                delivered.chars += len(chunk.text)
             if generated:
                 self.metrics.generation_tokens.labels(label).inc(generated)
                 tenant.usage.completion_tokens += generated
                 tenant.quota.charge_completion(generated)
                 self.admission.charge(ticket, generated)
-            if chunk.get("finish_reason") is not None:
+            if chunk.finish_reason is not None:
                 now = time.monotonic()
-                done = chunk["completion_tokens"]
+                done = chunk.completion_tokens
                 if own_prompt:
                     tenant.usage.requests += 1
                 self.metrics.e2e.labels(label).observe(now - job.arrival)
                 if delivered.first_token_at is not None and done > 1:
                     self.metrics.tpot.labels(label).observe((now - delivered.first_token_at) / (done - 1))
-                self.metrics.requests.labels(label, chunk["finish_reason"], chunk["replica"]).inc()
+                self.metrics.requests.labels(label, chunk.finish_reason, chunk.replica).inc()
             yield chunk
             await asyncio.sleep(0)

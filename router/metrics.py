@@ -44,15 +44,15 @@ class ReplicaStatsCollector:
                                            "Drafted tokens kept, by position in the draft", labels=["replica", "position"])
         for replica in self.table.live():
             s = replica.stats
-            gauges["num_requests_running"].add_metric([replica.replica_id], s["num_running"])
-            gauges["num_requests_waiting"].add_metric([replica.replica_id], s["num_waiting"])
-            gauges["kv_cache_usage_perc"].add_metric([replica.replica_id], s["kv_cache_usage"])
+            gauges["num_requests_running"].add_metric([replica.replica_id], s.num_running)
+            gauges["num_requests_waiting"].add_metric([replica.replica_id], s.num_waiting)
+            gauges["kv_cache_usage_perc"].add_metric([replica.replica_id], s.kv_cache_usage)
             for name, family in counters.items():
-                family.add_metric([replica.replica_id], s[name])
-            if s.get("spec_decode"):
+                family.add_metric([replica.replica_id], getattr(s, name))
+            if s.spec_decode:
                 for name, family in spec.items():
-                    family.add_metric([replica.replica_id], s["spec_decode"][name])
-                for position, count in enumerate(s["spec_decode"]["num_accepted_tokens_per_pos"]):
+                    family.add_metric([replica.replica_id], s.spec_decode[name])
+                for position, count in enumerate(s.spec_decode["num_accepted_tokens_per_pos"]):
                     per_position.add_metric([replica.replica_id, str(position)], count)
         yield from gauges.values()
         yield from counters.values()

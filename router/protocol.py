@@ -165,10 +165,11 @@ class _Common(_Lenient):
         except (ValueError, TypeError) as exc:
             raise UnsupportedFieldError(name, str(exc)) from None
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+        """The engine's parameters for one choice: a seeded request's j-th choice draws with seed + j."""
         return SamplingParams(structured_outputs=self.output_constraint(),
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
+            seed=None if self.seed is None else self.seed + seed_offset, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},

@@ -22,13 +22,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvloom.replicas.messages import ReplicaStats
+
 PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
 
 
 @dataclass
 class ReplicaState:
     replica_id: str
-    stats: dict
+    stats: ReplicaStats
     last_seen: float
     inflight: int = 0  # requests this router has dispatched and not yet seen finish
     dispatched: int = 0
@@ -38,7 +40,7 @@ class ReplicaState:
     weights: dict[str, float] = field(default_factory=dict)  # of the tenants in flight
 
     def capacity(self, slack: int) -> int:
-        return int(self.stats.get("max_num_seqs", 1)) + slack
+        return self.stats.max_num_seqs + slack
 
     def has_headroom(self, slack: int) -> bool:
         return self.inflight < PREEMPTION_HEADROOM * self.capacity(slack)
@@ -77,14 +79,14 @@ class ReplicaTable:
         self.stale_after_s = stale_after_s
         self.replicas: dict[str, ReplicaState] = {}
 
-    def report(self, stats: dict) -> None:
-        replica_id = stats["replica_id"]
+    def report(self, stats: ReplicaStats) -> None:
+        replica_id = stats.replica_id
         state = self.replicas.get(replica_id)
         if state is None:
             state = self.replicas[replica_id] = ReplicaState(replica_id, stats, time.monotonic())
         state.stats, state.last_seen = stats, time.monotonic()
-        state.cached = set(stats.get("cached_prefix_hashes", ()))
-        if not stats.get("healthy", True):
+        state.cached = set(stats.cached_prefix_hashes)
+        if not stats.healthy:
             self.drop(replica_id)
 
     def drop(self, replica_id: str) -> None:
@@ -108,7 +110,7 @@ class ReplicaTable:
         return least
 
     def max_model_len(self) -> int:
-        return max((int(r.stats.get("max_model_len", 0)) for r in self.live()), default=0)
+        return max((r.stats.max_model_len for r in self.live()), default=0)
 
     def choose_below_share(self, tenant: str, weight: float) -> ReplicaState | None:
         """The least loaded replica where `tenant` may preempt for its fair share of slots, if any."""

@@ -2,7 +2,7 @@
 several (one per prompt of a /v1/completions request), with logprobs, and usage at the end or, with
 vLLM's `continuous_usage_stats`, in every chunk.
 
-A chunk is what a replica sends per step for one request: `text` and `token_ids` new since the last,
+A chunk (replicas/messages.py) is what a replica sends per step for one request: `text` and `token_ids` new since the last,
 their `logprobs` (per token a {token id: logprob} map, the chosen token first, then the top
 alternatives), `finish_reason`, and the usage counts so far.
 """
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from kvloom.replicas.messages import Chunk
 from kvloom.router.dispatcher import Job
 from kvloom.router.errors import APIError
 
@@ -22,11 +23,11 @@ from kvloom.router.errors import APIError
 class Choice:
     """One generation on its way: its first chunk (already received) and the rest of its stream."""
     index: int
-    first: dict
-    stream: AsyncIterator[dict]
+    first: Chunk
+    stream: AsyncIterator[Chunk]
     prefix: str = ""  # `echo`: the prompt's text, sent before the generated text
     sent_chars: int = 0  # text already sent (completions' logprobs count text offsets from it)
-    chunks: list[dict] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
     shares_prompt: bool = False  # a prompt's later choice: its prompt is counted with the first one's
 
 
@@ -39,7 +40,7 @@ class ReadAhead:
 
     _END = object()
 
-    def __init__(self, stream: AsyncIterator[dict]) -> None:
+    def __init__(self, stream: AsyncIterator[Chunk]) -> None:
         self._stream = stream
         self._queue: asyncio.Queue = asyncio.Queue()
         self._task = asyncio.ensure_future(self._pump())
@@ -56,9 +57,9 @@ class ReadAhead:
     def __aiter__(self) -> "ReadAhead":
         return self
 
-    async def __anext__(self) -> dict:
+    async def __anext__(self) -> Chunk:
         item = await self._queue.get()
-        if isinstance(item, dict):
+        if isinstance(item, Chunk):
             return item
         self._queue.put_nowait(item)  # the stream stays ended
         if isinstance(item, Exception):
@@ -80,24 +81,24 @@ def _usage(prompt: int, cached: int, completion: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def chunk_usage(chunk: dict) -> dict:
+def chunk_usage(chunk: Chunk) -> dict:
     """One choice's counts so far (vLLM's `continuous_usage_stats`): a forked choice shows its prompt as cached."""
-    return _usage(chunk["prompt_tokens"], chunk["cached_tokens"], chunk["completion_tokens"])
+    return _usage(chunk.prompt_tokens, chunk.cached_tokens, chunk.completion_tokens)
 
 
-def usage(latest: list[tuple[Choice, dict]]) -> dict:
+def usage(latest: list[tuple[Choice, Chunk]]) -> dict:
     """A request's usage from each choice's latest chunk (its counts so far). Each prompt counts once
     however many choices it has, as OpenAI and vLLM count it; every generated token counts."""
     own = [chunk for choice, chunk in latest if not choice.shares_prompt]
-    return _usage(sum(c["prompt_tokens"] for c in own), sum(c["cached_tokens"] for c in own),
-                  sum(chunk["completion_tokens"] for _, chunk in latest))
+    return _usage(sum(c.prompt_tokens for c in own), sum(c.cached_tokens for c in own),
+                  sum(chunk.completion_tokens for _, chunk in latest))
 
 
-def joined(chunks: list[dict]) -> tuple[list[int], list[dict], str | None]:
+def joined(chunks: list[Chunk]) -> tuple[list[int], list[dict], str | None]:
     """A whole choice from its chunks: token ids, logprobs (empty unless asked) and finish reason."""
-    token_ids = [t for c in chunks for t in c["token_ids"]]
-    token_logprobs = [lp for c in chunks for lp in c["logprobs"] or ()]
-    return token_ids, token_logprobs, chunks[-1]["finish_reason"]
+    token_ids = [t for c in chunks for t in c.token_ids]
+    token_logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+    return token_ids, token_logprobs, chunks[-1].finish_reason
 
 
 class LogprobsFormat:
@@ -135,7 +136,7 @@ class LogprobsFormat:
                 "text_offset": offsets}
 
 
-async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
+async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, Chunk]]:
     """Every choice's chunks as they come (the first ones first); one choice is read directly."""
     for choice in choices:
         yield choice, choice.first
@@ -143,7 +144,7 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
         async for chunk in choices[0].stream:
             yield choices[0], chunk
         return
-    pending = {asyncio.ensure_future(anext(c.stream)): c for c in choices if c.first["finish_reason"] is None}
+    pending = {asyncio.ensure_future(anext(c.stream)): c for c in choices if c.first.finish_reason is None}
     try:
         while pending:
             done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -161,7 +162,7 @@ async def merged(choices: list[Choice]) -> AsyncIterator[tuple[Choice, dict]]:
         await asyncio.gather(*pending, return_exceptions=True)  # settled, so the streams can be closed
 
 
-StartChoice = Callable[[Job], Awaitable[tuple[dict, AsyncIterator[dict]]]]
+StartChoice = Callable[[Job], Awaitable[tuple[Chunk, AsyncIterator[Chunk]]]]
 
 
 async def start_choices(jobs: list[Job], per_prompt: int, start: StartChoice) -> list[Choice]:
@@ -201,7 +202,7 @@ async def close(choices: list[Choice]) -> None:
     await asyncio.shield(close_all())
 
 
-def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, dict], dict],
+def stream_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, Chunk], dict],
                     include_usage: bool, continuous_usage: bool) -> StreamingResponse:
     """Server-sent events: one event per chunk of any choice, an error event if a stream fails midway."""
     async def events() -> AsyncIterator[str]:
@@ -240,7 +241,7 @@ def most_likely(choices: list[Choice], candidates: int, n: int) -> list[Choice]:
     return kept
 
 
-async def collect_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, list[dict]], dict],
+async def collect_response(head: dict, choices: list[Choice], make_choice: Callable[[Choice, list[Chunk]], dict],
                            keep: Callable[[list[Choice]], list[Choice]] | None = None) -> JSONResponse:
     """One body once every choice has finished; `make_choice` gets a choice's chunks in order. `keep` picks
     the choices returned (best_of); usage counts every one generated."""

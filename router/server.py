@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -25,6 +26,7 @@ from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
+from kvloom.replicas.messages import Chunk, ReplicaStats, SubmitRequest
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
@@ -95,7 +97,7 @@ def fork_siblings(jobs: list[Job], per_prompt: int) -> list[Job]:
     choice 0 has finished, it runs as any request would (a prefix-cache hit on the full blocks)."""
     for i, job in enumerate(jobs):
         if i % per_prompt:
-            job.payload["fork_of"] = jobs[i - i % per_prompt].request_id
+            job.message = job.message.model_copy(update={"fork_of": jobs[i - i % per_prompt].request_id})
     return jobs
 
 
@@ -137,12 +139,11 @@ class Router:
         self.tenancy = settings
 
     # ---- called by replicas -----------------------------------------------------------------
-    async def report_replica_stats(self, stats: dict) -> int:
+    async def report_replica_stats(self, stats: ReplicaStats) -> int:
         """Take a replica's stats; answer how many live replicas (any role) share its node."""
-        (self.decode_table if stats.get("role") == "decode" else self.table).report(stats)
+        (self.decode_table if stats.role == "decode" else self.table).report(stats)
         self.admission.pump()
-        return sum(r.stats.get("node_id") == stats.get("node_id") for t in (self.table, self.decode_table)
-                   for r in t.live())
+        return sum(r.stats.node_id == stats.node_id for t in (self.table, self.decode_table) for r in t.live())
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:
@@ -154,7 +155,8 @@ class Router:
         return self.dispatcher.active
 
     async def replica_stats(self) -> list[dict]:
-        return [dict(r.stats, inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
+        """Every live replica's latest stats, with what this router sent it (`kvloom status`, tests)."""
+        return [dict(asdict(r.stats), inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
                 for table in (self.table, self.decode_table) for r in table.live()]
 
     # ---- helpers ----------------------------------------------------------------------------
@@ -228,28 +230,22 @@ class Router:
             wanted, room = limit - len(token_ids), self.table.max_model_len() - len(token_ids)
             max_tokens = max(1, min(wanted, room) if room > 0 else wanted)
         priority = tenant.effective_priority(body.priority)
-        try:
-            sampling = body.sampling_params(max_tokens or max(1, body.min_tokens), logprobs).model_dump()
+        try:  # max_tokens None: as many as max_model_len leaves (the engine resolves it)
+            sampling = body.sampling_params(max_tokens, logprobs, seed_offset=sibling)
+            message = SubmitRequest(request_id=uuid.uuid4().hex, prompt_token_ids=token_ids, sampling=sampling)
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
-        if max_tokens is None:
-            del sampling["max_tokens"]  # the replica fills in "up to max_model_len"
-        if body.seed is not None:
-            sampling["seed"] = body.seed + sibling
-        request_id = uuid.uuid4().hex
-        payload = {"request_id": request_id, "prompt_token_ids": token_ids, "sampling": sampling,
-                   "priority": priority}
-        return Job(request_id, payload, prompt_block_hashes(token_ids, self.settings.block_size), tenant=tenant,
+        return Job(message, prompt_block_hashes(token_ids, self.settings.block_size), tenant=tenant,
                    priority=priority, prompt_tokens=len(token_ids), max_tokens=max_tokens,
                    estimated_tokens=len(token_ids) + (max_tokens or self.table.max_model_len()))
 
-    async def _start(self, job: Job) -> tuple[dict, AsyncIterator[dict]]:
+    async def _start(self, job: Job) -> tuple[Chunk, AsyncIterator[Chunk]]:
         """Run until the first chunk, so errors become a proper status before any byte is sent."""
         stream = self.dispatcher.run(job)
         first = await stream.__anext__()
-        if "error" in first:
+        if first.error is not None:
             await stream.aclose()
-            raise APIError(400, first["error"]["message"], first["error"].get("param"), "invalid_value")
+            raise APIError(400, first.error.message, first.error.param, "invalid_value")
         return first, stream
 
     # ---- endpoints --------------------------------------------------------------------------
@@ -327,10 +323,10 @@ class Router:
 
         if body.stream:
             return stream_response(head, choices, lambda choice, chunk: completion_choice(
-                choice, (choice.prefix if chunk is choice.first else "") + chunk["text"], chunk["token_ids"],
-                chunk["logprobs"], chunk["finish_reason"]), body.include_usage, body.continuous_usage)
+                choice, (choice.prefix if chunk is choice.first else "") + chunk.text, chunk.token_ids,
+                chunk.logprobs, chunk.finish_reason), body.include_usage, body.continuous_usage)
         return await collect_response(head, choices, lambda choice, chunks: completion_choice(
-            choice, choice.prefix + "".join(c["text"] for c in chunks), *joined(chunks)),
+            choice, choice.prefix + "".join(c.text for c in chunks), *joined(chunks)),
             keep=(lambda done: most_likely(done, per_prompt, body.n)) if ranked else None)
 
     @api.post("/v1/chat/completions")
@@ -349,17 +345,17 @@ class Router:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model}
 
-        def delta_choice(choice: Choice, chunk: dict) -> dict:
-            delta = {"content": chunk["text"]} if chunk["text"] or not chunk["finish_reason"] else {}
+        def delta_choice(choice: Choice, chunk: Chunk) -> dict:
+            delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
             if chunk is choice.first:
                 delta["role"] = "assistant"
-            return {"index": choice.index, "delta": delta, "finish_reason": chunk["finish_reason"],
-                    "logprobs": logprobs.chat(chunk["token_ids"], chunk["logprobs"]) if logprobs else None}
+            return {"index": choice.index, "delta": delta, "finish_reason": chunk.finish_reason,
+                    "logprobs": logprobs.chat(chunk.token_ids, chunk.logprobs) if logprobs else None}
 
-        def message_choice(choice: Choice, chunks: list[dict]) -> dict:
+        def message_choice(choice: Choice, chunks: list[Chunk]) -> dict:
             token_ids, token_logprobs, reason = joined(chunks)
             return {"index": choice.index, "finish_reason": reason,
-                    "message": {"role": "assistant", "content": "".join(c["text"] for c in chunks)},
+                    "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
                     "logprobs": logprobs.chat(token_ids, token_logprobs) if logprobs else None}
 
         if body.stream:

@@ -113,6 +113,17 @@ def test_max_tokens_beyond_the_room_left_is_refused_with_the_numbers(engine, ser
     serves()
 
 
+def test_no_max_tokens_means_as_many_as_the_room_left_and_min_tokens_must_fit_in_it(engine, serves):
+    """The one place a missing max_tokens is resolved (the router and the replicas pass None through)."""
+    prompt = [7] * (MAX_MODEL_LEN - 4)
+    request = engine.make_request("rest", prompt, SamplingParams(max_tokens=None, temperature=0))
+    assert request.sampling_params.max_tokens == 4
+    with pytest.raises(InvalidRequestError, match="is 5, but max_model_len is") as info:
+        engine.make_request("too-many", prompt, SamplingParams(max_tokens=None, min_tokens=5))
+    assert info.value.field == "min_tokens"
+    serves()
+
+
 @pytest.mark.parametrize("bad_id", [512, 10_000, -1])
 def test_token_id_outside_vocab(engine, serves, bad_id):
     with pytest.raises(InvalidRequestError, match=f"token id {bad_id} outside the vocabulary") as info:

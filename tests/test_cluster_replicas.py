@@ -6,11 +6,14 @@ import time
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from ray import serve
 
 from kvloom.cluster.cli import DEFAULT_CONFIG
 from kvloom.cluster.config import load_cluster_config
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
+from kvloom.engine.sampling import SamplingParams
+from kvloom.replicas.messages import Chunk, Continuation, StepChunks, SubmitReply, SubmitRequest
 
 pytestmark = pytest.mark.slow
 
@@ -73,31 +76,57 @@ def test_concurrent_requests_use_both_replicas(two_replicas):
 
 
 def test_a_replica_sends_its_channel_a_step_of_every_request_per_message(two_replicas):
-    """The router's requests come back over one stream per replica, not one per request (see router/channels)."""
+    """The router's requests come back over one stream per replica, not one per request (see router/channels); the
+    typed messages (replicas/messages.py) cross Ray both ways as themselves."""
     _, router = two_replicas
     target = router.replica_stats.remote().result()[0]["replica_id"]
     replicas = serve.get_deployment_handle("EngineReplica", "kvloom")
-    sampling = {"max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    sampling = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
     async def run():
         stream = replicas.options(stream=True).outputs.remote("spec-channel", target_replica=target)
         hello = await stream.__anext__()
         ids = [f"channel-{i}" for i in range(4)]
         replies = await asyncio.gather(*(replicas.submit.remote(
-            {"request_id": rid, "prompt_token_ids": [1, 2, 3, 4 + i], "sampling": sampling}, "spec-channel",
+            SubmitRequest(request_id=rid, prompt_token_ids=[1, 2, 3, 4 + i], sampling=sampling), "spec-channel",
             target_replica=target) for i, rid in enumerate(ids)))
         tokens, messages = {rid: [] for rid in ids}, 0
-        async for item in stream:
+        async for step in stream:
             messages += 1
-            for chunk in item["chunks"]:
-                tokens[chunk["request_id"]] += chunk["token_ids"]
+            assert isinstance(step, StepChunks) and all(isinstance(c, Chunk) and c.error is None for c in step.chunks)
+            for chunk in step.chunks:
+                tokens[chunk.request_id] += chunk.token_ids
             if all(len(t) == 16 for t in tokens.values()):
                 stream.cancel()
                 return hello, replies, tokens, messages
 
     hello, replies, tokens, messages = asyncio.run(asyncio.wait_for(run(), timeout=120))
-    assert hello == {"replica": target, "chunks": []} and replies == [{"replica": target}] * 4
+    assert hello == StepChunks(target) and replies == [SubmitReply(target)] * 4
     assert messages < sum(len(t) for t in tokens.values()) / 2
+
+
+@pytest.mark.parametrize("message, field", [
+    ({"request_id": "old", "prompt_token_ids": [1, 2], "sampling": {}, "priority": 3}, "priority"),  # the old name
+    ({"request_id": "hot", "prompt_token_ids": [1, 2], "sampling": {"temperature": -1}}, "sampling"),
+    ({"request_id": "empty", "prompt_token_ids": [], "sampling": {}}, "prompt_token_ids"),
+    ({"request_id": "long", "prompt_token_ids": [1, 2], "sampling": {"max_tokens": 10**6}}, "max_tokens"),
+])
+def test_a_message_with_a_bad_field_is_refused_at_the_replica_naming_the_field(two_replicas, message, field):
+    _, router = two_replicas
+    target = router.replica_stats.remote().result()[0]["replica_id"]
+    replicas = serve.get_deployment_handle("EngineReplica", "kvloom")
+    reply = replicas.submit.remote(message, "bad-field-channel", target_replica=target).result()
+    assert reply.replica == target and reply.error is not None and reply.error.param == field, reply
+    assert router.replica_stats.remote().result()[0]["num_running"] == 0
+
+
+def test_a_submit_request_checks_its_fields_where_it_is_built():
+    with pytest.raises(ValidationError, match="prompt_token_ids"):
+        SubmitRequest(request_id="r", prompt_token_ids=[], sampling=SamplingParams())
+    with pytest.raises(ValidationError, match="engine_priorty"):
+        SubmitRequest(request_id="r", prompt_token_ids=[1], sampling=SamplingParams(), engine_priorty=1)
+    with pytest.raises(ValidationError, match="output_token_ids"):
+        Continuation(output_token_ids=[], emitted_chars=0)
 
 
 def test_bounded_load_200_requests_32_concurrent(two_replicas):

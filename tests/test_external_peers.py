@@ -14,6 +14,7 @@ from kvloom.benchmarks.harness import BenchSettings, SystemSpec
 from kvloom.benchmarks.workloads import Workload, WorkloadRequest
 from kvloom.cluster.config import ClusterConfig
 from kvloom.kernels.host_isa import HostISA
+from kvloom.replicas.messages import ReplicaStats
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.replica_table import ReplicaTable
 
@@ -167,10 +168,8 @@ def test_llama_cpp_goal_compares_with_its_fastest_gguf_type_that_ran():
 def test_kvloom_serves_engine_counters_are_summed_over_replicas_from_the_routers_metrics():
     table = ReplicaTable(slack=0)
     for replica_id, steps, requests, seconds in (("a", 10, 300, 2.5), ("b", 4, 40, 0.5)):
-        table.report({"replica_id": replica_id, "max_num_seqs": 64, "cached_prefix_hashes": [], "num_running": 0,
-                      "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                      "num_preemptions": 0, "engine_steps": steps, "engine_step_requests": requests,
-                      "engine_step_seconds": seconds, "healthy": True})
+        table.report(ReplicaStats(replica_id, max_num_seqs=64, engine_steps=steps, engine_step_requests=requests,
+                                  engine_step_seconds=seconds))
     before = peers.EngineCounters(steps=4, requests=40, seconds=1.0)
     run = peers.EngineCounters.parse(RouterMetrics(table).render().decode()) - before
     assert run == peers.EngineCounters(steps=10, requests=300, seconds=2.0)

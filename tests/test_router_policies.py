@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvloom.cluster.config import ClusterConfig
+from kvloom.replicas.messages import ReplicaStats
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.errors import APIError
 from kvloom.router.policies import PolicyConfig, PriorityClasses, FCFS, ShortestJobFirst, make_policy
@@ -27,10 +28,8 @@ from kvloom.router.vtc import VirtualCounters
 W_IN, W_OUT = 1.0, 2.0
 
 
-def replica_stats(max_num_seqs: int) -> dict:
-    return {"replica_id": "r", "max_num_seqs": max_num_seqs, "cached_prefix_hashes": [], "num_running": 0,
-            "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-            "num_preemptions": 0, "healthy": True}
+def replica_stats(max_num_seqs: int) -> ReplicaStats:
+    return ReplicaStats("r", max_num_seqs=max_num_seqs)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,9 @@ import pytest
 import ray.exceptions
 
 from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.engine.sampling import SamplingParams
+from kvloom.replicas.messages import (Chunk, Continuation, ReplicaError, ReplicaStats, StepChunks, SubmitReply,
+                                      SubmitRequest)
 from kvloom.router.admission import AdmissionQueue, Ticket
 from kvloom.router.channels import ReplicaChannels
 from kvloom.router.dispatcher import Dispatcher, Job
@@ -21,10 +24,8 @@ from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.responses import ReadAhead, start_choices
 
 
-def stats(replica_id: str, max_num_seqs: int = 2, cached=()) -> dict:
-    return {"replica_id": replica_id, "max_num_seqs": max_num_seqs, "cached_prefix_hashes": list(cached),
-            "num_running": 0, "num_waiting": 0, "kv_cache_usage": 0.0, "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0, "num_preemptions": 0, "healthy": True}
+def stats(replica_id: str, max_num_seqs: int = 2, cached=(), healthy: bool = True) -> ReplicaStats:
+    return ReplicaStats(replica_id, max_num_seqs=max_num_seqs, cached_prefix_hashes=list(cached), healthy=healthy)
 
 
 def test_prefix_affinity_picks_the_replica_holding_the_prompt():
@@ -60,7 +61,7 @@ def test_least_loaded_without_affinity_and_no_credit_means_none():
 def test_unhealthy_or_silent_replicas_are_dropped():
     table = ReplicaTable(stale_after_s=0.0)
     table.report(stats("a"))
-    table.report({**stats("b"), "healthy": False})
+    table.report(stats("b", healthy=False))
     assert "b" not in table.replicas
     assert table.live() == []  # a has gone silent for longer than stale_after_s
 
@@ -113,17 +114,21 @@ class ScriptedStreams:
     """Stands in for the replica channels: per replica, a scripted stream; records what each was sent."""
 
     def __init__(self, scripts, resumable: bool):
-        self.scripts, self.resumable, self.calls, self.payloads = scripts, resumable, [], []
+        self.scripts, self.resumable, self.calls, self.messages = scripts, resumable, [], []
 
-    def open(self, payload, replica_id):
+    def open(self, message, replica_id):
         self.calls.append(replica_id)
-        self.payloads.append(payload)
+        self.messages.append(message)
         return self.scripts[replica_id]()
 
 
 def chunk(tokens, finish=None, text="t", done=None):
-    return {"replica": "x", "text": text, "token_ids": tokens, "finish_reason": finish,
-            "prompt_tokens": 3, "completion_tokens": done or len(tokens), "cached_tokens": 0}
+    return Chunk("x", "r", text, tokens, None, finish, prompt_tokens=3, completion_tokens=done or len(tokens))
+
+
+def job(request_id: str, fork_of: str | None = None) -> Job:
+    return Job(SubmitRequest(request_id=request_id, prompt_token_ids=[1, 2, 3], sampling=SamplingParams(),
+                             fork_of=fork_of), [])
 
 
 def make_dispatcher(scripts, resumable: bool = True, **options):
@@ -141,9 +146,9 @@ async def test_request_that_streamed_nothing_is_retried_on_another_replica():
         "a": lambda: ScriptedResponse([chunk([1])], fail_after=0),
         "b": lambda: ScriptedResponse([chunk([1]), chunk([2], "length")], fail_after=None),
     })
-    got = [c async for c in dispatcher.run(Job("r", {}, []))]
-    assert handle.calls == ["a", "b"] and "output_token_ids" not in handle.payloads[1]
-    assert [c["token_ids"] for c in got] == [[1], [2]]
+    got = [c async for c in dispatcher.run(job("r"))]
+    assert handle.calls == ["a", "b"] and handle.messages[1].continuation is None
+    assert [c.token_ids for c in got] == [[1], [2]]
     assert "a" not in table.replicas and table.replicas["b"].inflight == 0
 
 
@@ -152,14 +157,14 @@ async def test_a_stream_whose_replica_dies_goes_on_elsewhere_from_what_the_clien
         "a": lambda: ScriptedResponse([chunk([1], text="Hel"), chunk([2], text="lo")], fail_after=2),
         "b": lambda: ScriptedResponse([chunk([3], "length", text=" you", done=3)], fail_after=None),
     })
-    job = Job("r", {"request_id": "r"}, [])
-    got = [c async for c in dispatcher.run(job)]
+    moved = job("r")
+    got = [c async for c in dispatcher.run(moved)]
     assert handle.calls == ["a", "b"]
-    assert [c["token_ids"] for c in got] == [[1], [2], [3]] and "".join(c["text"] for c in got) == "Hello you"
-    assert handle.payloads[1] | {"priority": 0} == {"request_id": "r", "priority": 0, "output_token_ids": [1, 2],
-                                                    "emitted_chars": 5}
-    assert dispatcher.metrics.moved.labels(job.tenant.name, "continued")._value.get() == 1
-    usage = job.tenant.usage  # the prompt once, each token once
+    assert [c.token_ids for c in got] == [[1], [2], [3]] and "".join(c.text for c in got) == "Hello you"
+    assert handle.messages[1].continuation == Continuation(output_token_ids=[1, 2], emitted_chars=5)
+    assert handle.messages[1].request_id == "r" and handle.messages[1].prompt_token_ids == [1, 2, 3]
+    assert dispatcher.metrics.moved.labels(moved.tenant.name, "continued")._value.get() == 1
+    usage = moved.tenant.usage  # the prompt once, each token once
     assert (usage.prompt_tokens, usage.completion_tokens, usage.requests) == (3, 3, 1)
     assert "a" not in table.replicas and table.replicas["b"].inflight == 0
 
@@ -171,7 +176,7 @@ async def test_a_stream_that_cannot_go_on_ends_with_a_clear_error():
     }, resumable=False)
     received = []
     with pytest.raises(APIError) as err:
-        async for c in dispatcher.run(Job("r", {}, [])):
+        async for c in dispatcher.run(job("r")):
             received.append(c)
     assert err.value.status == 500 and "mid-stream" in err.value.message
     assert handle.calls == ["a"] and len(received) == 1
@@ -181,12 +186,12 @@ async def test_moves_are_bounded_by_max_retries_and_retry_wait_s():
     failing = {name: (lambda: ScriptedResponse([chunk([1])], fail_after=1)) for name in "abc"}
     dispatcher, handle, _ = make_dispatcher(failing, max_retries=1)
     with pytest.raises(APIError) as err:
-        _ = [c async for c in dispatcher.run(Job("r", {}, []))]
+        _ = [c async for c in dispatcher.run(job("r"))]
     assert handle.calls == ["a", "b"] and "each of 2 attempts" in err.value.message
 
     dispatcher, handle, _ = make_dispatcher({"a": failing["a"]}, retry_wait_s=0.05)  # no replica to go on on
     with pytest.raises(APIError) as err:
-        _ = [c async for c in dispatcher.run(Job("r", {}, []))]
+        _ = [c async for c in dispatcher.run(job("r"))]
     assert err.value.status == 503 and "within 0.05 s" in err.value.message
 
 
@@ -194,37 +199,37 @@ async def test_a_choice_read_ahead_frees_its_slot_for_the_next_choice_of_its_req
     """One slot, two choices: the first one's stream is read on while the second waits for the slot."""
     replies = {"a": lambda: ScriptedResponse([chunk([1]), chunk([2], finish="length", done=2)], fail_after=None)}
     dispatcher, _, _ = make_dispatcher(replies)
-    first = dispatcher.run(Job("first", {}, []))
-    assert (await anext(first))["token_ids"] == [1]
-    second = dispatcher.run(Job("second", {"fork_of": "first"}, []))
+    first = dispatcher.run(job("first"))
+    assert (await anext(first)).token_ids == [1]
+    second = dispatcher.run(job("second", fork_of="first"))
     second_chunk = asyncio.ensure_future(anext(second))
     await asyncio.sleep(0.2)
     assert not second_chunk.done()  # unread, the first choice holds the only slot
     ahead = ReadAhead(first)
-    assert (await asyncio.wait_for(second_chunk, 5))["token_ids"] == [1]
-    assert [c["token_ids"] async for c in ahead] == [[2]]
+    assert (await asyncio.wait_for(second_chunk, 5)).token_ids == [1]
+    assert [c.token_ids async for c in ahead] == [[2]]
     await second.aclose()
 
 
 async def test_read_ahead_passes_errors_on_and_closing_it_stops_the_stream():
     dispatcher, _, _ = make_dispatcher({"a": lambda: ScriptedResponse([chunk([1])], fail_after=1)}, resumable=False,
                                        max_retries=0)
-    failing = ReadAhead(dispatcher.run(Job("r", {}, [])))
-    assert (await anext(failing))["token_ids"] == [1]
+    failing = ReadAhead(dispatcher.run(job("r")))
+    assert (await anext(failing)).token_ids == [1]
     with pytest.raises(APIError):
         await anext(failing)
 
     endless = ScriptedResponse((chunk([i]) for i in itertools.count()), fail_after=None)
     dispatcher, _, table = make_dispatcher({"a": lambda: endless})
-    ahead = ReadAhead(dispatcher.run(Job("r", {}, [])))
-    assert (await anext(ahead))["token_ids"] == [0]
+    ahead = ReadAhead(dispatcher.run(job("r")))
+    assert (await anext(ahead)).token_ids == [0]
     await ahead.aclose()
     assert endless.cancelled and dispatcher.active == 0 and table.replicas["a"].inflight == 0
 
 
 def choice_jobs(prompts: int, n: int) -> list[Job]:
     """Job `p{i}c{j}` is prompt i's choice j; later choices fork the first, as the router sends them."""
-    return [Job(f"p{i}c{j}", {"fork_of": f"p{i}c0"} if j else {}, []) for i in range(prompts) for j in range(n)]
+    return [job(f"p{i}c{j}", f"p{i}c0" if j else None) for i in range(prompts) for j in range(n)]
 
 
 async def test_a_requests_prompts_start_together_and_a_prompts_choices_in_turn():
@@ -250,7 +255,7 @@ async def test_a_requests_prompts_start_together_and_a_prompts_choices_in_turn()
         event.set()
     choices = await asyncio.wait_for(starting, 5)
     assert [(c.index, c.shares_prompt) for c in choices] == [(i, bool(i % 2)) for i in range(6)]
-    assert [[c["token_ids"] async for c in choice.stream] for choice in choices] == [[[2]]] * 6
+    assert [[c.token_ids async for c in choice.stream] for choice in choices] == [[[2]]] * 6
 
 
 async def test_a_prompt_that_fails_to_start_fails_the_request_and_closes_every_started_choice():
@@ -278,9 +283,9 @@ def scripted_replica_handle(items):
     """Serve's handle to the replicas, scripted: replica "a" takes any request; its channel streams `items`."""
     submitted = []
 
-    async def submit(payload, channel, target_replica=None):
-        submitted.append(payload["request_id"])
-        return {"replica": "a"}
+    async def submit(message, channel, target_replica=None):
+        submitted.append(message.request_id)
+        return SubmitReply("a")
 
     async def outputs(channel, target_replica=None):
         for item in items(submitted[-1]):
@@ -296,8 +301,7 @@ def scripted_replica_handle(items):
 async def test_an_error_chunk_on_the_output_channel_ends_the_request_with_it():
     """A request the engine refused once queued (not at submit) comes back as one error chunk, without the
     fields of a token chunk."""
-    error = {"error": {"message": "refused", "param": "seed"}, "replica": "a"}
-    handle = scripted_replica_handle(lambda rid: [{"replica": "a", "chunks": []},
-                                                {"replica": "a", "chunks": [{"request_id": rid, **error}]}])
-    stream = ReplicaChannels(handle).open({"request_id": "r1"}, "a")
-    assert [chunk async for chunk in stream] == [{"request_id": "r1", **error}]
+    refused = Chunk("a", "r1", error=ReplicaError("refused", "seed"))
+    handle = scripted_replica_handle(lambda rid: [StepChunks("a"), StepChunks("a", [refused])])
+    stream = ReplicaChannels(handle).open(job("r1").message, "a")
+    assert [chunk async for chunk in stream] == [refused]

@@ -1,0 +1,127 @@
+"""What crosses between the router and the engine replicas, one type a purpose.
+
+`SubmitRequest` goes to a replica once per request: a pydantic model, validated where it arrives, carrying the
+request's `SamplingParams` as itself (a missing `max_tokens` is resolved once, by the engine). What comes back
+is cheaper: plain dataclasses on the per-token path, as cheap to build and pickle as the dicts they replaced.
+A `Chunk` is one request's output of one engine step; `StepChunks` carries a step's chunks for one output
+channel; `SubmitReply` answers a submit. None of them imports torch: the router never loads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvloom.engine.sampling import SamplingParams
+
+
+class Continuation(BaseModel):
+    """The output a client already has of a stream whose replica died: the new replica goes on from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    output_token_ids: list[int] = Field(min_length=1)
+    emitted_chars: int = Field(0, ge=0)  # of the output's text, what the client received
+
+
+class SubmitRequest(BaseModel):
+    """One request for an engine replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    request_id: str = Field(min_length=1)
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams
+    engine_priority: int = 0  # the engine's scheduling priority (lower runs first): the tenant's class, aged
+    fork_of: str | None = None  # a request whose prompt KV this one shares (a prompt's later choices)
+    continuation: Continuation | None = None
+
+
+@dataclass
+class ReplicaError:
+    """Why a replica refused a request: the message and the request field at fault."""
+
+    message: str
+    param: str | None = None
+
+
+@dataclass
+class Handoff:
+    """A prefill replica parked a request's KV: decode it elsewhere."""
+
+    prefill_replica: str
+    num_tokens: int
+
+
+@dataclass
+class Chunk:
+    """One request's output of one engine step (or its refusal): what is new since the last chunk, and counts
+    so far."""
+
+    replica: str
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None  # per new token, {token id: logprob} of the top alternatives
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: ReplicaError | None = None
+    handoff: Handoff | None = None  # disaggregation: the rest is decoded elsewhere
+    kv_received: bool = False  # disaggregation: the decode replica holds the KV (no output in this chunk)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or self.finish_reason is not None
+
+
+@dataclass
+class StepChunks:
+    """A step's chunks for the requests of one output channel, from one replica."""
+
+    replica: str
+    chunks: list[Chunk] = field(default_factory=list)
+
+
+@dataclass
+class SubmitReply:
+    """Which replica took a request, or why it refused it."""
+
+    replica: str
+    error: ReplicaError | None = None
+
+
+@dataclass
+class ReplicaStats:
+    """What a replica pushes to the router every fraction of a second: who it is, how loaded, what it caches.
+    The router's `replica_stats` shows them (with its own counts) to `kvloom status`, metrics and tests."""
+
+    replica_id: str
+    role: str = "colocated"  # or "prefill", "decode"
+    node_id: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    torch_threads: int = 1
+    tensor_parallel_size: int = 1
+    ranks: list[dict] = field(default_factory=list)  # per tensor-parallel rank: placement, heads, bytes held
+    max_num_seqs: int = 1
+    block_size: int = 16
+    max_model_len: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    engine_steps: int = 0
+    engine_step_requests: int = 0
+    engine_step_seconds: float = 0.0
+    spec_decode: dict | None = None  # SpecDecodeStats as a dict, where the engine speculates
+    cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
+    kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
+    healthy: bool = True
+    time: float = 0.0
