@@ -19,7 +19,8 @@ from typing import TypeVar
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread, schedule_normally
 from kvloom.engine.errors import EngineDeadError, InvalidRequestError
-from kvloom.engine.llm_engine import EngineStats, LLMEngine
+from kvloom.engine.engine_stats import EngineStats
+from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams

@@ -61,7 +61,7 @@ class KVHeader:
 
 def export_kv(engine: LLMEngine, request_id: str) -> tuple[KVHeader, torch.Tensor]:
     """The parked request's KV as one [layers, 2, blocks, block_size, kv_heads, head_dim] tensor."""
-    request = engine.parked.get(request_id)
+    request = engine.handoffs.parked(request_id)
     if request is None:
         raise KVTransferError(f"no parked KV for request {request_id}")
     header = KVHeader.for_engine(engine, request.num_computed_tokens)
@@ -70,17 +70,17 @@ def export_kv(engine: LLMEngine, request_id: str) -> tuple[KVHeader, torch.Tenso
 
 def reserve_kv(engine: LLMEngine, request: Request) -> bool:
     """Allocate blocks for a prompt's KV before receiving it; False while the pool or batch is full."""
-    if len(engine.scheduler.running) + len(engine.reserved) >= engine.config.max_num_seqs:
+    if len(engine.scheduler.running) + engine.handoffs.num_reserved >= engine.config.max_num_seqs:
         return False
     if not engine.kv.allocate_slots(request, len(request.prompt_token_ids)):
         return False
-    engine.reserved[request.request_id] = request
+    engine.handoffs.reserve(request)
     return True
 
 
 def activate_kv(engine: LLMEngine, request: Request, first_token: int, payload: torch.Tensor) -> None:
     """Write the received KV into the reserved blocks and continue decoding from the first token."""
-    engine.reserved.pop(request.request_id)
+    engine.handoffs.activate(request.request_id)
     engine.runner.import_blocks(request.block_ids, payload)
     request.num_computed_tokens = len(request.prompt_token_ids)
     request.token_ids.append(first_token)

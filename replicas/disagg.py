@@ -44,7 +44,7 @@ class PrefillReplica(EngineReplica):
             last = output
         chunk = self.chunk(last)
         if req.park_kv and chunk.finish_reason == "length":
-            if last.request_id in self.engine.engine.parked:
+            if self.engine.engine.handoffs.parked(last.request_id) is not None:
                 chunk.finish_reason = None
                 chunk.handoff = Handoff(self.replica_id, len(req.prompt_token_ids))
         elif req.park_kv:  # finished for real (EOS, stop): nothing to hand off

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from kvloom.engine.llm_engine import resolve_dtype
+from kvloom.engine.resources import resolve_dtype
 from kvloom.kernels.host_isa import HostISA, auto_cpu_dtype
 
 XEON_AMX = "fpu sse2 avx avx2 avx512f avx512bw avx512vl avx512_bf16 amx_bf16 amx_tile amx_int8"
@@ -58,7 +58,7 @@ def test_report_key_names_the_cpu_and_its_fastest_matrix_unit():
 
 
 def test_engine_dtype_auto_asks_the_detection_and_says_so(caplog):
-    caplog.set_level(logging.INFO, logger="kvloom.engine.llm_engine")
+    caplog.set_level(logging.INFO, logger="kvloom.engine.resources")
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu, HostISA.parse(cpuinfo(XEON_AMX))) == torch.bfloat16
     assert "bfloat16 in hardware" in caplog.text

@@ -34,7 +34,7 @@ def test_prefill_then_decode_elsewhere_matches_one_engine(engines, prompt_len):
     while prefill.has_unfinished():
         first = prefill.step()
     header, payload = export_kv(prefill, "p")
-    assert header.num_tokens == prompt_len and "p" in prefill.parked
+    assert header.num_tokens == prompt_len and prefill.handoffs.parked("p") is not None
 
     header.check_matches(KVHeader.for_engine(decode, prompt_len))
     resumed = decode.make_request("d", prompt, GREEDY)

@@ -1,14 +1,18 @@
 """The OpenAI API beyond plain generation, over real HTTP to a real Serve deployment of SmolLM2: penalties,
 logit_bias, min_tokens, logprobs on both endpoints, echo, several prompts in one request, usage in
 every chunk, unknown fields, structured outputs, and vLLM's /tokenize and /detokenize. Every output is checked against
-kvloom's offline engine given the same sampling parameters (float32: both are exact)."""
+kvloom's offline engine given the same sampling parameters (float32: both are exact). And the README's examples,
+run as written against this deployment."""
 
 import json
 import re
+import shlex
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 
 from kvloom.cluster.config import ClusterConfig
 from kvloom.engine.llm_engine import LLMEngine
@@ -327,3 +331,70 @@ def test_tokenize_and_detokenize_round_trip(base, offline):
 def test_models_lists_max_model_len(base):
     (model,) = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
     assert model["id"] == "smollm2" and model["max_model_len"] == 1024
+
+
+# ---- the README's examples, run as written -------------------------------------------------
+README = Path(__file__).resolve().parents[1] / "README.md"
+DOCUMENTED_BASE = "127.0.0.1:8000"
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), re.S)
+
+
+def curl_examples() -> list[tuple[list[str], str]]:
+    """Each `$ curl` command of the README's console blocks (continuation lines joined) and the output shown."""
+    examples = []
+    for block in readme_blocks("console"):
+        for command, output in re.findall(r"^\$ (curl .*?)\n(\{.*?)(?=^\$ |\Z)", block, re.S | re.M):
+            examples.append((shlex.split(command.replace("\\\n", " ")), output))
+    return examples
+
+
+def send_curl(base: str, argv: list[str]) -> httpx.Response:
+    """What curl would send for `argv` (its -s, -H and -d flags), to this test's server instead of port 8000."""
+    headers, body, url = {}, None, None
+    args = iter(argv[1:])
+    for arg in args:
+        if arg == "-H":
+            name, _, value = next(args).partition(":")
+            headers[name.strip()] = value.strip()
+        elif arg == "-d":
+            body = next(args)
+        elif not arg.startswith("-"):
+            url = arg
+    url = (url if "://" in url else f"http://{url}").replace(DOCUMENTED_BASE, base.removeprefix("http://"))
+    return httpx.request("POST" if body is not None else "GET", url, headers=headers, content=body, timeout=120)
+
+
+def test_the_readme_shows_curl_examples_and_each_answers_in_the_shape_shown(base):
+    examples = curl_examples()
+    assert len(examples) >= 4
+    for argv, shown in examples:
+        response = send_curl(base, argv)
+        got = response.json()
+        documented = json.loads(re.sub(r", \.\.\.", "", shown.replace("\n", "")))  # the sample elides a little
+        assert set(got) == set(documented), (argv, got)
+        if "error" in documented:
+            assert response.status_code == 400 and got["error"]["param"] == documented["error"]["param"], got
+        else:
+            assert response.status_code == 200 and len(got["choices"]) == len(documented["choices"]), got
+            assert got["object"] == documented["object"] and set(got["usage"]) == set(documented["usage"])
+
+
+def test_the_readmes_python_examples_run_as_written(base, capsys):
+    """The OpenAI client example against this test's server, and the offline engine example."""
+    blocks = readme_blocks("python")
+    assert len(blocks) == 2
+    client_example, offline_example = blocks
+    exec(compile(client_example.replace(DOCUMENTED_BASE, base.removeprefix("http://")), "README", "exec"), {})
+    exec(compile(offline_example, "README", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "Paris" in printed and len(printed.splitlines()) >= 3
+
+
+def test_every_config_the_readme_shows_is_a_valid_cluster_config():
+    blocks = readme_blocks("yaml")
+    assert len(blocks) >= 3
+    for block in blocks:
+        ClusterConfig.model_validate(yaml.safe_load(block))

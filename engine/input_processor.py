@@ -1,0 +1,91 @@
+"""Turning what a caller asks into an engine `Request`: tokenized, checked field by field, nothing queued.
+
+Every check raises `InvalidRequestError` naming the field at fault, so a bad request never reaches the
+scheduler and touches no engine state: any thread may build requests.
+"""
+
+import operator
+import time
+
+from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.logits_processors import LogitsAdjuster
+from kvloom.engine.request import Request
+from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.structured_output import GrammarCompiler
+from kvloom.engine.unicode_text import not_unicode_field
+
+
+def check_unicode(field: str, value) -> None:
+    """Text the tokenizer can encode (see engine/unicode_text.py), else an error naming `field`."""
+    if (where := not_unicode_field(value)) is not None:
+        raise InvalidRequestError(field, "is not valid Unicode text (a lone UTF-16 surrogate"
+                                         f"{f' at {where}' if where else ''})")
+
+
+class InputProcessor:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
+                 grammars: GrammarCompiler) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("messages", "this model has no chat template")
+        check_unicode("messages", messages)
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def encode(self, prompt: str) -> list[int]:
+        check_unicode("prompt", prompt)
+        return self.tokenizer.encode(prompt)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                     priority: int = 0, arrival_time: float | None = None) -> Request:
+        """Validate and tokenize; a missing max_tokens becomes what max_model_len leaves after the prompt."""
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        try:  # a float id would pass the range check below and then fail every later step
+            token_ids = [operator.index(t) for t in token_ids]
+        except TypeError:
+            raise InvalidRequestError("prompt", "token ids must be integers") from None
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"is {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)",
+            )
+        params = self._within_room(params, len(token_ids))
+        self.check_vocabulary("prompt", token_ids)
+        self.check_vocabulary("logit_bias", params.logit_bias)
+        self.check_vocabulary("stop_token_ids", params.stop_token_ids)
+        return Request(
+            request_id, token_ids, params, priority=priority,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
+            logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
+            grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
+        )
+
+    def _within_room(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """max_tokens within what max_model_len leaves (None: all of it), refused as vLLM and OpenAI refuse it
+        rather than stopping short silently."""
+        room = self.max_model_len - prompt_len
+        taken = f"max_model_len is {self.max_model_len} and the prompt takes {prompt_len} tokens of it"
+        if params.max_tokens is None:
+            if params.min_tokens > room:
+                raise InvalidRequestError("min_tokens", f"is {params.min_tokens}, but {taken}")
+            return params.model_copy(update={"max_tokens": room})
+        if params.max_tokens > room:
+            raise InvalidRequestError("max_tokens", f"is {params.max_tokens}, but {taken}: at most {room} can be "
+                                                    "generated")
+        return params
+
+    def check_vocabulary(self, field: str, token_ids) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(field, f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
