@@ -20,7 +20,7 @@ from kvloom.benchmarks.external_peers import (HERE, SERVED_NAME, PeerInstall, Se
                                               running_server)
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
 from kvloom.benchmarks.report import environment_lines
-from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
 
 RESULTS_DIR = HERE / "results"

@@ -31,7 +31,7 @@ from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, 
 from kvloom.benchmarks.serving_cpu import CLIENT, cpu_by_role, own_cpu_seconds, thread_cpu_seconds
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
-from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.kernels.host_isa import host_isa
 
 HERE = Path(__file__).parent

@@ -12,8 +12,8 @@ import statistics
 import time
 from pathlib import Path
 
-from kvloom.engine.model_files import resolve_model_dir
-from kvloom.engine.model_loader import load_tokenizer
+from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.model_loader import load_tokenizer
 from kvloom.kernels.host_isa import host_isa
 
 OUT = Path(__file__).parent / "results" / "structured-outputs.md"

@@ -21,7 +21,7 @@ def load_hf_model(model: str, attn_implementation: str = "sdpa"):
     """The stock transformers model (no kvloom attention), fp32, as the peers run it."""
     from transformers import AutoModelForCausalLM
 
-    from kvloom.engine.model_files import resolve_model_dir
+    from kvloom.engine.model.model_files import resolve_model_dir
 
     return AutoModelForCausalLM.from_pretrained(
         resolve_model_dir(model), dtype=torch.float32, attn_implementation=attn_implementation, local_files_only=True

@@ -21,7 +21,7 @@ from statistics import median_high
 import torch
 
 from kvloom.benchmarks.workloads import Workload
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.kernels.packed_linear import PackedLinear
 
 DECODE_M, PREFILL_M = 64, 256
@@ -229,7 +229,7 @@ def machine_report(model: str, workload_path: str, threads: int) -> dict:
 
     Runs in a fresh process (see `bench.in_fresh_process`) so it gets the same threads as the systems.
     """
-    from kvloom.engine.model_files import resolve_model_dir
+    from kvloom.engine.model.model_files import resolve_model_dir
 
     torch.set_num_threads(threads)
     model_dir = resolve_model_dir(model)

@@ -67,7 +67,7 @@ class TokenCorpus:
 
 
 def load_tokenizer(model: str):
-    from kvloom.engine import model_files, model_loader
+    from kvloom.engine.model import model_files, model_loader
 
     return model_loader.load_tokenizer(model_files.resolve_model_dir(model))
 

@@ -64,10 +64,10 @@ class EngineConfig(BaseModel):
     max_wait_ms: float = Field(50.0, ge=0, description="dynamic batching: longest a bucket waits to fill")
     bucket_width: int = Field(64, ge=1, description="dynamic batching: prompt-length bucket width")
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = "auto"
-    # auto: kvloom's fused decoder (engine/decoder.py) where the architecture allows, else transformers'
+    # auto: kvloom's fused decoder (engine/model/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     seed: int = 0
-    # ranks a replica's model is split over (Megatron-style, see engine/tp_shards.py); on one host they share
+    # ranks a replica's model is split over (Megatron-style, see engine/tensor_parallel/tp_shards.py); on one host they share
     # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one
     tensor_parallel_size: int = Field(1, ge=1)
     # every collective of a tensor-parallel replica gives up after this long: a dead rank is an error, not a hang

@@ -18,9 +18,9 @@ from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.model_files import resolve_model_dir
-from kvloom.engine.model_loader import load_decoder, load_tokenizer
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.model_loader import load_decoder, load_tokenizer
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.parking import ParkedKV
@@ -30,10 +30,10 @@ from kvloom.engine.resources import (check_batch_limits, kv_block_count, profile
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
-from kvloom.engine.speculative import SpecDecodeStats, build_speculator
+from kvloom.engine.speculation.speculative import SpecDecodeStats, build_speculator
 from kvloom.engine.structured_output import GrammarCompiler
-from kvloom.engine.tp_runner import start_tensor_parallel
-from kvloom.engine.tp_shards import plan_shards
+from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
+from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 
 

@@ -8,15 +8,15 @@ known tokens reach the LM head.
 
 import torch
 
-from kvloom.engine.attention import ForwardContext
-from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.model.attention import ForwardContext
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.host_memory import advise_huge_pages
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.rejection_sampler import verify
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.speculation.rejection_sampler import verify
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
 from kvloom.engine.step_plan import StepInputs
-from kvloom.engine.stock_decoder import StockDecoder
+from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.item_pool import use_item_pool
 from kvloom.kernels.metadata import AttentionMetadata

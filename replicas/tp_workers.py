@@ -13,7 +13,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from kvloom.engine.cpu_threads import openmp_env
-from kvloom.engine.tp_worker import WorkerSpec, run_worker
+from kvloom.engine.tensor_parallel.tp_worker import WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
 

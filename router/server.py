@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
-from kvloom.engine.model_files import resolve_model_dir
+from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, SubmitRequest
 from kvloom.router.admission import AdmissionQueue

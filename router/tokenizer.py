@@ -20,7 +20,7 @@ SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_
 
 def load_router_tokenizer(model_dir: Path):
     if not (model_dir / "tokenizer.json").is_file():
-        from kvloom.engine.model_loader import load_tokenizer
+        from kvloom.engine.model.model_loader import load_tokenizer
 
         return load_tokenizer(model_dir)
     return RouterTokenizer(model_dir)

@@ -107,7 +107,7 @@ def kernel_threads():
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from kvloom.engine.model_files import resolve_model_dir
+    from kvloom.engine.model.model_files import resolve_model_dir
 
     return resolve_model_dir("smollm2")
 
@@ -141,7 +141,7 @@ RAW = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 
 @pytest.fixture(scope="session")
 def smollm2_prompts(smollm2_dir) -> list[list[int]]:
     """16 varied SmolLM2 prompts: 12 chat-templated with one system prompt (5 to ~600 tokens), then 4 raw."""
-    from kvloom.engine.model_loader import load_tokenizer
+    from kvloom.engine.model.model_loader import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     chats = [list(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 MAX_MODEL_LEN = 64

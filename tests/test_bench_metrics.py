@@ -11,7 +11,7 @@ from kvloom.benchmarks.metrics import BatchCounters, LatencyStats, RequestRecord
 from kvloom.benchmarks.report import notes
 from kvloom.benchmarks.sweep import parse_sweep, summarize_sweep
 from kvloom.benchmarks.workloads import TokenCorpus, Workload, make_workload, synthetic_text
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
 from kvloom.engine.detokenizer import IncrementalDetokenizer, token_decoder
-from kvloom.engine.model_loader import load_tokenizer
+from kvloom.engine.model.model_loader import load_tokenizer
 
 
 def test_smollm2_ids_decode_as_transformers_decodes_them(smollm2_dir):

@@ -1,4 +1,4 @@
-"""kvloom's fused decoder (`engine/decoder.py`) computes what the stock transformers forward does.
+"""kvloom's fused decoder (`engine/model/decoder.py`) computes what the stock transformers forward does.
 
 The fused C++ rotary and residual-add + RMSNorm ops and the greedy row argmax equal their torch definitions; a
 linear takes the layout of the CPU's fastest unit (oneDNN, packed or shared with a tied embedding; kvloom's blocked
@@ -18,14 +18,14 @@ import sys
 import pytest
 import torch
 
-from kvloom.engine import decoder
-from kvloom.engine.attention import ForwardContext
-from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.model import decoder
+from kvloom.engine.model.attention import ForwardContext
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
-from kvloom.engine.stock_decoder import StockDecoder
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
+from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import fused_ops, packed_linear
 from kvloom.kernels.host_isa import HostISA

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvloom.engine import model_files
+from kvloom.engine.model import model_files
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_files import resolve_model_dir
-from kvloom.engine.model_loader import ModelLoadError, load_model
+from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.model_loader import ModelLoadError, load_model
 
 CPU = torch.device("cpu")
 

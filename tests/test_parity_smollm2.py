@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transformers 16x64 steps

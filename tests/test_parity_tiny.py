@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 MAX_NEW = 24

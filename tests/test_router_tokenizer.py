@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from kvloom.engine.model_loader import load_tokenizer
+from kvloom.engine.model.model_loader import load_tokenizer
 from kvloom.router.tokenizer import RouterTokenizer
 
 TEXTS = [

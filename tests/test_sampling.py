@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 
 PROMPTS = {

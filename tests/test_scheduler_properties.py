@@ -37,12 +37,12 @@ from hypothesis import strategies as st
 
 from kvloom.engine.config import SpeculativeConfig
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.model_proposers import Proposer
+from kvloom.engine.speculation.model_proposers import Proposer
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import priority_key
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
-from kvloom.engine.speculative import Speculator
+from kvloom.engine.speculation.speculative import Speculator
 
 VOCAB = 97  # small, so different requests often generate the same tokens too
 

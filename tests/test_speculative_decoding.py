@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from kvloom.engine.config import EngineConfig, SpeculativeConfig
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_proposers import Proposer
-from kvloom.engine.ngram_proposer import NgramProposer
-from kvloom.engine.rejection_sampler import verify
+from kvloom.engine.speculation.model_proposers import Proposer
+from kvloom.engine.speculation.ngram_proposer import NgramProposer
+from kvloom.engine.speculation.rejection_sampler import verify
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import sampling_probs
 from kvloom.engine.sampling import SamplingParams

@@ -16,15 +16,15 @@ import time
 import pytest
 import torch
 
-from kvloom.engine.checkpoint import Checkpoint
+from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.step_plan import StepInputs
-from kvloom.engine.tp_group import TensorParallelError
-from kvloom.engine.tp_shards import ShardedCheckpoint, plan_shards
+from kvloom.engine.tensor_parallel.tp_group import TensorParallelError
+from kvloom.engine.tensor_parallel.tp_shards import ShardedCheckpoint, plan_shards
 from kvloom.kernels.metadata import AttentionMetadata
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -26,7 +26,7 @@ if [[ ! -x $prefix/bin/llama-server || ! -x $prefix/bin/llama-quantize ]]; then
   mkdir -p "$prefix/bin"
   cp "$prefix/build/bin/llama-server" "$prefix/build/bin/llama-quantize" "$prefix/bin/"
 fi
-model_dir=$($python -c "from kvloom.engine.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))")
+model_dir=$($python -c "from kvloom.engine.model.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))")
 mkdir -p "$root/gguf"
 # the converter tries sentencepiece before the tokenizer.json route, and fails if the module is missing
 $python -c "import sentencepiece" 2>/dev/null || $python -m pip install -q sentencepiece

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.engine.checkpoint import Checkpoint
+from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.errors import ConfigError
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

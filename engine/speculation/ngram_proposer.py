@@ -7,7 +7,7 @@ next. The search is vectorised: one pass over the history per n-gram length, no 
 
 import numpy as np
 
-from kvloom.engine.model_proposers import Proposer
+from kvloom.engine.speculation.model_proposers import Proposer
 from kvloom.engine.request import Request
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kvloom.engine.tp_shards import RankShard
+from kvloom.engine.tensor_parallel.tp_shards import RankShard
 
 
 class TensorParallelError(RuntimeError):

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.engine.config import SpeculativeConfig
-from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError
-from kvloom.engine.model_loader import load_model
-from kvloom.engine.model_proposers import (DraftModelProposer, LayerSkipProposer, Proposer,
+from kvloom.engine.model.model_loader import load_model
+from kvloom.engine.speculation.model_proposers import (DraftModelProposer, LayerSkipProposer, Proposer,
                                            check_draft_vocabulary)
-from kvloom.engine.ngram_proposer import NgramProposer
+from kvloom.engine.speculation.ngram_proposer import NgramProposer
 from kvloom.engine.request import Request
 from kvloom.engine.runner import allocate_kv_cache
 

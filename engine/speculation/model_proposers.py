@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvloom.engine.attention import ForwardContext
+from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.block_pool import BlockPool, KVBlock
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.request import Request

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.config import EngineConfig
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.model_files import resolve_model_dir
-from kvloom.engine.model_loader import load_shard_decoder
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.model_loader import load_shard_decoder
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import HEADER_LEN, Op, StepInputs
-from kvloom.engine.tp_group import TensorParallelGroup, announce_arrival, open_store
-from kvloom.engine.tp_shards import plan_shards
+from kvloom.engine.tensor_parallel.tp_group import TensorParallelGroup, announce_arrival, open_store
+from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.item_pool import set_intra_op_threads
 

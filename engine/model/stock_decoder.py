@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvloom.engine.attention import ATTENTION_NAME, ForwardContext, register_attention
+from kvloom.engine.model.attention import ATTENTION_NAME, ForwardContext, register_attention
 
 
 class StockDecoder:

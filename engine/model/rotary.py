@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 
 LENGTH_DEPENDENT_TYPES = {"dynamic", "longrope"}
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloom.engine.attention import ForwardContext
-from kvloom.engine.checkpoint import Checkpoint
+from kvloom.engine.model.attention import ForwardContext
+from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.host_memory import release_pages
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.rotary import RotaryEmbedding, unsupported_rope
-from kvloom.engine.tp_group import SingleDevice, TensorParallelGroup
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
+from kvloom.engine.tensor_parallel.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
 

@@ -10,14 +10,14 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from kvloom.engine.checkpoint import Checkpoint
-from kvloom.engine.decoder import FusedDecoder
+from kvloom.engine.model.checkpoint import Checkpoint
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError, ModelLoadError
-from kvloom.engine.model_config import ModelConfig
-from kvloom.engine.model_files import resolve_model_dir
-from kvloom.engine.stock_decoder import StockDecoder
-from kvloom.engine.tp_group import TensorParallelGroup
-from kvloom.engine.tp_shards import RankShard, ShardedCheckpoint
+from kvloom.engine.model.model_config import ModelConfig
+from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.stock_decoder import StockDecoder
+from kvloom.engine.tensor_parallel.tp_group import TensorParallelGroup
+from kvloom.engine.tensor_parallel.tp_shards import RankShard, ShardedCheckpoint
 
 
 def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):

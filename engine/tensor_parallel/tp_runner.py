@@ -20,12 +20,12 @@ import torch
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ModelLoadError
-from kvloom.engine.model_config import ModelConfig
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.step_plan import Op, StepInputs, control_header
-from kvloom.engine.tp_group import TensorParallelError, TensorParallelGroup, open_store, wait_for_arrivals
-from kvloom.engine.tp_shards import RankShard, plan_shards
-from kvloom.engine.tp_worker import WorkerSpec, held_bytes, rank_runner_args, run_worker
+from kvloom.engine.tensor_parallel.tp_group import TensorParallelError, TensorParallelGroup, open_store, wait_for_arrivals
+from kvloom.engine.tensor_parallel.tp_shards import RankShard, plan_shards
+from kvloom.engine.tensor_parallel.tp_worker import WorkerSpec, held_bytes, rank_runner_args, run_worker
 from kvloom.kernels.item_pool import intra_op_threads, set_intra_op_threads
 
 logger = logging.getLogger(__name__)
