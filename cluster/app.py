@@ -16,7 +16,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
-from kvloom.cluster.logs import LOG_FORMAT_ENV
+from kvloom.replicas.serve_logs import LOG_FORMAT_ENV
 from kvloom.engine.cpu_threads import openmp_env
 from kvloom.replicas.disagg import DecodeReplica, PrefillReplica
 from kvloom.replicas.engine_replica import EngineReplica

@@ -1,35 +1,15 @@
 """`kvloom serve --log-format json`: the console carries one JSON object a line, for a log shipper.
 
-Given `ray.LoggingConfig(encoding="JSON")`, Ray formats the root logger of the driver and of every worker
-as JSON and prints the workers' lines on the driver's console without its "(pid=...)" prefix. Serve's own
-logger ("ray.serve") keeps a text stream handler of its own in every process; kvloom's processes (the
-driver, the router and the replicas, told by KVLOOM_LOG_FORMAT) give it Ray's JSON formatter too. What is
-still text by the time it reaches the driver's console (Serve's controller and proxy, errors Ray relays
-from the cluster as "(raylet) ...") is wrapped there as {"message": line}.
+Ray prints the workers' JSON lines on the driver's console without its "(pid=...)" prefix (each process's own
+side: replicas/serve_logs.py). What is still text by the time it reaches the driver's console (Serve's
+controller and proxy, errors Ray relays from the cluster as "(raylet) ...") is wrapped here as {"message": line}.
 """
 
 import io
 import json
-import logging
-import os
 import re
 
-LOG_FORMAT_ENV = "KVLOOM_LOG_FORMAT"
-
-
-def json_logs() -> bool:
-    return os.environ.get(LOG_FORMAT_ENV) == "json"
-
-
-def serve_logger_as_json() -> None:
-    """Serve's console handler in this process writes JSON, when JSON logs were asked for."""
-    if not json_logs():
-        return
-    from ray._common.formatters import JSONFormatter
-
-    for handler in logging.getLogger("ray.serve").handlers:
-        if type(handler) is logging.StreamHandler:
-            handler.setFormatter(JSONFormatter())
+from kvloom.replicas.serve_logs import json_logs
 
 
 class JSONConsole(io.TextIOBase):

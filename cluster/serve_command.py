@@ -14,7 +14,8 @@ import sys
 import time
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
-from kvloom.cluster.logs import LOG_FORMAT_ENV, JSONConsole, json_logs, say, serve_logger_as_json
+from kvloom.cluster.logs import JSONConsole, say
+from kvloom.replicas.serve_logs import LOG_FORMAT_ENV, json_logs, serve_logger_as_json
 
 DRAIN_POLL_S = 0.2
 

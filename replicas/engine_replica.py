@@ -26,7 +26,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
-from kvloom.cluster.logs import serve_logger_as_json
+from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError

@@ -22,11 +22,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvloom.cluster.logs import serve_logger_as_json
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, SubmitRequest
+from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
