@@ -33,7 +33,6 @@ HOST_FEATURES = {
     "two-cuda": ("two CUDA devices", lambda: torch.cuda.device_count() >= 2),
 }
 _host_runs: dict[str, Counter] = {feature: Counter() for feature in HOST_FEATURES}
-_features_of: dict[str, list[str]] = {}
 
 
 def host_has(feature: str) -> bool:
@@ -55,7 +54,7 @@ def pytest_report_header(config):
 
 def pytest_runtest_setup(item):
     features = [mark.args[0] for mark in item.iter_markers("host")]
-    _features_of[item.nodeid] = features
+    item.user_properties.append(("host_features", features))  # reports carry them to pytest-xdist's controller
     for feature in features:
         if not host_has(feature):
             pytest.skip(f"needs {HOST_FEATURES[feature][0]}, which this host lacks")
@@ -63,7 +62,7 @@ def pytest_runtest_setup(item):
 
 def pytest_runtest_logreport(report):
     if report.when == "call" or (report.when == "setup" and report.skipped):
-        for feature in _features_of.get(report.nodeid, []):
+        for feature in dict(report.user_properties).get("host_features", []):
             _host_runs[feature]["skipped" if report.skipped else "ran"] += 1
 
 
