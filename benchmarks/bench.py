@@ -16,7 +16,8 @@ from tqdm import tqdm
 
 from kvloom.benchmarks.external_peers import KINDS as EXTERNAL_KINDS
 from kvloom.benchmarks.external_peers import external_systems, run_external, vllm_env
-from kvloom.benchmarks.harness import STRATEGIES, BenchSettings, SystemResult, SystemSpec, run_isolated
+from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, run_isolated
+from kvloom.benchmarks.strategies import STRATEGIES
 from kvloom.benchmarks.workloads import Workload
 from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from kvloom.benchmarks.bench import (DEFAULT_HF_BATCHES, DEFAULT_PEERS, DEFAULT_STRATEGIES, REFERENCE,
                                      environment, in_fresh_process, make_systems, run_systems)
 from kvloom.benchmarks.harness import BenchSettings
-from kvloom.benchmarks.report import system_result, write_bench_report
+from kvloom.benchmarks.report import write_bench_report
+from kvloom.benchmarks.run_results import system_result
 from kvloom.benchmarks.roofline import engine_probes, machine_report
 from kvloom.benchmarks.sweep import parse_sweep, summarize_sweep, sweep_systems
 from kvloom.benchmarks.workloads import default_corpus, make_workload

@@ -6,7 +6,7 @@ A goal whose inputs are missing (a system that timed out, a section not run) is 
 
 from dataclasses import dataclass
 
-from kvloom.benchmarks.report import cpu_efficiency, metric, system_result
+from kvloom.benchmarks.run_results import cpu_efficiency, metric, system_result
 
 
 @dataclass

@@ -17,12 +17,6 @@ from kvloom.benchmarks.metrics import RequestRecord, RunMetrics, summarize
 from kvloom.benchmarks.workloads import Workload
 
 # The batching strategies under test: same runner and kernels, only the scheduling differs.
-STRATEGIES: dict[str, dict] = {
-    "static": {"batching": "static", "enable_chunked_prefill": False},
-    "dynamic": {"batching": "dynamic", "enable_chunked_prefill": False},
-    "continuous": {"batching": "continuous", "enable_chunked_prefill": False},
-    "continuous+chunked": {"batching": "continuous", "enable_chunked_prefill": True},
-}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kvloom.benchmarks.harness import STRATEGIES
+from kvloom.benchmarks.strategies import STRATEGIES
 from kvloom.benchmarks.metrics import BatchCounters, RequestRecord
 from kvloom.benchmarks.workloads import Workload
 from kvloom.engine.config import EngineConfig

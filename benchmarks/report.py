@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvloom.benchmarks.metrics import acceptance
+from kvloom.benchmarks.run_results import cpu_efficiency, latency_cell, metric, system_result
 from kvloom.benchmarks.serving_cpu import serving_cpu_line
 
 LATENCIES = ("ttft", "tpot", "e2e")
@@ -21,7 +22,7 @@ COLUMNS = ("<sub>mean batch: requests computed per step; idle: slot-steps held b
            "greedy outputs identical to the reference, over the requests both ran.</sub>")
 
 
-def _pyplot():
+def pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
@@ -44,24 +45,12 @@ def _pct(value) -> str:
     return _fmt(value, ".0%")
 
 
-def _lat(stats: dict | None, key: str, ms: bool) -> str:
-    if not stats:
-        return "–"
-    return _fmt(stats[key], ".0f" if ms else ".1f", 1000 if ms else 1)
-
-
 def _match(run: dict, name: str) -> str:
     eq = run.get("equality", {}).get(name)
     if eq is not None:
         return f"{eq['equal']}/{eq['compared']}"
     compared = {e["reference"] for e in run.get("equality", {}).values()}
     return "reference" if name in compared else "–"  # an HTTP peer streams text, not token ids
-
-
-def cpu_efficiency(m: dict) -> float | None:
-    """Output tokens per CPU second of the run: on a shared machine this moves far less with the
-    neighbours' load than tokens per wall second (a waiting thread sleeps, so it is not charged)."""
-    return m["output_tokens"] / m["cpu_s"] if m.get("cpu_s") else None
 
 
 def spec_cell(m: dict) -> str:
@@ -82,7 +71,7 @@ def results_table(run: dict) -> str:
         if not m:
             rows.append(f"| {name} | {r['status']} |" + " – |" * (head.count("|") - 3))
             continue
-        lat = [" / ".join(_lat(m[k], q, ms=(k == "tpot")) for q in ("p50", "p90", "p99")) for k in LATENCIES]
+        lat = [" / ".join(latency_cell(m[k], q, ms=(k == "tpot")) for q in ("p50", "p90", "p99")) for k in LATENCIES]
         rows.append(
             f"| {name} | {r['status']} | {m['num_requests']} | {m['output_tok_s']:.1f} | {m['total_tok_s']:.1f} | "
             f"{m['requests_s']:.3f} | {lat[0]} | {lat[1]} | {lat[2]} | {_fmt(m['mean_batch_size'], '.1f')} | "
@@ -100,8 +89,8 @@ def headline_table(run: dict) -> str:
     for r in _ok(run):
         m = r["metrics"]
         rows.append(f"| {r['spec']['name']} | {m['num_requests']} | {m['output_tok_s']:.1f} | {m['total_tok_s']:.1f} | "
-                    f"{_lat(m['ttft'], 'p50', ms=False)} | {_lat(m['tpot'], 'p50', ms=True)} / "
-                    f"{_lat(m['tpot'], 'p99', ms=True)} | {_fmt(m['mean_batch_size'], '.1f')} | {spec_cell(m)} |")
+                    f"{latency_cell(m['ttft'], 'p50', ms=False)} | {latency_cell(m['tpot'], 'p50', ms=True)} / "
+                    f"{latency_cell(m['tpot'], 'p99', ms=True)} | {_fmt(m['mean_batch_size'], '.1f')} | {spec_cell(m)} |")
     return "\n".join(rows)
 
 
@@ -130,24 +119,9 @@ def notes(run: dict) -> str:
     return "\n".join(lines)
 
 
-def system_result(run: dict, system: str) -> dict | None:
-    return next((r for r in run["results"] if r["spec"]["name"] == system), None)
-
-
-def metric(run: dict, system: str, path: str):
-    """A metric of one system in a run, by dotted path ("output_tok_s", "tpot.p99"); None if absent."""
-    for r in run["results"]:
-        if r["spec"]["name"] == system and r["metrics"]:
-            value = r["metrics"]
-            for key in path.split("."):
-                value = value.get(key) if isinstance(value, dict) else None
-            return value
-    return None
-
-
 # ---- plots --------------------------------------------------------------------------------------
 def plot_throughput(run: dict, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     results = _ok(run)
     names = [r["spec"]["name"] for r in results]
     out = [r["metrics"]["output_tok_s"] for r in results]
@@ -170,7 +144,7 @@ def plot_throughput(run: dict, path: Path) -> Path:
 
 
 def plot_latency_cdfs(run: dict, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, key, unit in zip(axes, LATENCIES, ("s", "ms", "s")):
         for r in _ok(run):
@@ -190,7 +164,7 @@ def plot_latency_cdfs(run: dict, path: Path) -> Path:
 
 def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
     """Throughput and tail latency against offered load, one line per system."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     systems = [r["spec"]["name"] for r in runs[0]["results"]]
     rates = [run["params"]["rate"] for run in runs]
@@ -215,7 +189,7 @@ def plot_rate_sweep(runs: list[dict], path: Path) -> Path:
 
 def plot_tradeoff(sweep: dict, path: Path) -> Path:
     """Throughput against p99 TPOT for each swept value, with the latency budget marked."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     points = [(p["value"], p["tpot_p99_s"] * 1000, p["output_tok_s"]) for p in sweep["points"] if p["output_tok_s"]]
     ax.plot([p[1] for p in points], [p[2] for p in points], "o-")

@@ -2,7 +2,7 @@
 pick the setting with the most throughput whose p99 TPOT stays within a budget."""
 
 from kvloom.benchmarks.harness import SystemSpec
-from kvloom.benchmarks.report import metric
+from kvloom.benchmarks.run_results import metric
 from kvloom.engine.config import EngineConfig
 
 

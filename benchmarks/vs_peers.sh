@@ -19,4 +19,4 @@ out="benchmarks/results/vs-peers/$host"
   --no-roofline --budget-min 0 --out "$out/chat"
 ./dev.sh bench --workload single-stream --strategies "" --peers vllm-serve,kvloom-serve \
   --no-roofline --budget-min 0 --out "$out/single-stream"
-.venv/bin/python -m kvloom.benchmarks.serving_ratio --rounds 3 --out "$out/serving"
+.venv/bin/python -m kvloom.benchmarks.studies.serving_ratio --rounds 3 --out "$out/serving"

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvloom.benchmarks.neighbour_cost import NEIGHBOUR, Round, report, summarize
+from kvloom.benchmarks.studies.neighbour_cost import NEIGHBOUR, Round, report, summarize
 from kvloom.benchmarks.serving_cpu import process_cpu_seconds
 
 

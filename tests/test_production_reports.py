@@ -1,8 +1,8 @@
 """The soak's and the conformance run's verdicts, computed from what they observed (no server needed here;
-the runs themselves are committed reports, see benchmarks/soak.py and benchmarks/conformance.py)."""
+the runs themselves are committed reports, see benchmarks/studies/soak.py and benchmarks/studies/conformance.py)."""
 
-from kvloom.benchmarks.conformance import guidellm_command, guidellm_summary, write_report
-from kvloom.benchmarks.soak import Outcome, Sample, Soak, SoakPlan, replica_gauges, summarize, windows
+from kvloom.benchmarks.studies.conformance import guidellm_command, guidellm_summary, write_report
+from kvloom.benchmarks.studies.soak import Outcome, Sample, Soak, SoakPlan, replica_gauges, summarize, windows
 
 PLAN = SoakPlan(minutes=20, warmup_minutes=5, window_minutes=5, sample_s=60)
 

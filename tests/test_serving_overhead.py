@@ -1,7 +1,7 @@
 """The serving-overhead benchmark names each process of a `kvloom serve` tree and divides its CPU by the events."""
 
 from kvloom.benchmarks.serving_cpu import ENGINE_THREADS, beside_engine, cpu_by_role, role, serving_cpu_line
-from kvloom.benchmarks.serving_overhead import report
+from kvloom.benchmarks.studies.serving_overhead import report
 
 
 RAYLET = "/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --raylet_socket_name=x"

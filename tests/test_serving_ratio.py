@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from kvloom.benchmarks.harness import BenchSettings
-from kvloom.benchmarks.replica_replay import cluster_address, replay_replica
+from kvloom.benchmarks.studies.replica_replay import cluster_address, replay_replica
 from kvloom.benchmarks.serving_cpu import ENGINE_THREADS
-from kvloom.benchmarks.serving_ratio import median_ratio, report
+from kvloom.benchmarks.studies.serving_ratio import median_ratio, report
 from kvloom.benchmarks.workloads import Workload, WorkloadRequest
 
 

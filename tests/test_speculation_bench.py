@@ -1,7 +1,7 @@
 """The speculative-decoding study's goals and report, from made-up runs (the study itself runs in the
 committed report, never here), and the acceptance figures every bench table shows."""
 
-from kvloom.benchmarks import speculation
+from kvloom.benchmarks.studies import speculation
 from kvloom.benchmarks.metrics import acceptance
 from kvloom.benchmarks.report import spec_cell
 

@@ -228,7 +228,7 @@ def test_a_script_without_a_main_guard_is_told_so_at_once_instead_of_waiting_out
 
 
 def test_the_nvlink_prediction_shows_its_arithmetic():
-    from kvloom.benchmarks.tensor_parallel import NCCL_LATENCY_S, NVLINK_BYTES_PER_S, predict_nvlink
+    from kvloom.benchmarks.studies.tensor_parallel import NCCL_LATENCY_S, NVLINK_BYTES_PER_S, predict_nvlink
 
     row = {"collectives": {"all-reduce": {"ms": 80.0, "calls": 61, "bytes": 61 * 147_456},
                            "logits gather": {"ms": 8.0, "calls": 1, "bytes": 6_291_456},

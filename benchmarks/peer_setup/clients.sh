@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up the OpenAI-API clients nobody on this project wrote (the `openai` package, `litellm`, `guidellm`)
-# in a virtual environment of their own, for benchmarks/conformance.py: their pins must not meet kvloom's.
+# in a virtual environment of their own, for benchmarks/studies/conformance.py: their pins must not meet kvloom's.
 # Idempotent; prints the venv's python when done.
 #   bash benchmarks/peer_setup/clients.sh      (venv under ~/.cache/kvloom/peers/clients, or $KVLOOM_PEERS_DIR/clients)
 set -euo pipefail

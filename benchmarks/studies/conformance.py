@@ -4,7 +4,7 @@ started as a user would (its own process tree, loopback HTTP), then the same che
 from `peer_drivers/client_checks.py`, and a short `guidellm` run at 1 and 16 concurrent streams (256
 prompt tokens, 128 out). The clients live in a virtual environment of their own (`peer_setup/clients.sh`).
 
-    python -m kvloom.benchmarks.conformance      (~15 minutes; writes benchmarks/results/conformance.{md,json})
+    python -m kvloom.benchmarks.studies.conformance      (~15 minutes; writes benchmarks/results/conformance.{md,json})
 """
 
 import argparse
@@ -117,7 +117,7 @@ def write_report(doc: dict, out_dir: Path) -> Path:
              environment_lines(doc["environment"]), "",
              f"Both servers at dtype {doc['dtype']}, max_model_len {MAX_MODEL_LEN}; clients: "
              + ", ".join(f"{k} {v}" for k, v in doc["clients"].items()) + ". "
-             f"Regenerate: `python -m kvloom.benchmarks.conformance` ({doc['wall_s'] / 60:.0f} minutes).", "",
+             f"Regenerate: `python -m kvloom.benchmarks.studies.conformance` ({doc['wall_s'] / 60:.0f} minutes).", "",
              "| check | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for check in checks:
         lines.append(f"| {check} | " + " | ".join(_cell(by_server[n].get(check)) for n in names) + " |")
@@ -140,7 +140,7 @@ def client_versions(clients_python: Path) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.conformance", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.studies.conformance", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model", default="smollm2")
     args = parser.parse_args(argv)

@@ -6,7 +6,7 @@ keeps the seconds, calls and bytes): the all-reduces after each attention and ML
 the LM head's logits gather, the step plan's broadcast; the rest of the step is compute (and Python). From the
 measured calls and bytes it predicts the same collectives under NCCL on NVLink, with the arithmetic shown.
 
-Run: `python -m kvloom.benchmarks.tensor_parallel` (a few minutes on 2 cores); writes
+Run: `python -m kvloom.benchmarks.studies.tensor_parallel` (a few minutes on 2 cores); writes
 `benchmarks/results/tensor-parallel.{md,json}`.
 """
 
@@ -25,7 +25,7 @@ from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.host_isa import host_isa
 from kvloom.kernels.item_pool import intra_op_threads
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 BATCHES = (1, 16, 64)
 PROMPT_LEN = 128
 STEPS = 20
@@ -129,7 +129,7 @@ def write_report(rows: list[dict], meta: dict, out: Path) -> None:
         f"Host: {meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']}; SmolLM2-135M, dtype {meta['dtype']}, "
         f"decode steps of {PROMPT_LEN}-token prompts, mean of {STEPS} steps, measured on rank 0. One rank uses every "
         "core; with 2 ranks each has half of them, and gloo carries the collectives over loopback TCP.",
-        "Regenerate: `python -m kvloom.benchmarks.tensor_parallel`.",
+        "Regenerate: `python -m kvloom.benchmarks.studies.tensor_parallel`.",
         "",
         "| ranks | threads/rank | batch | step ms | compute ms | all-reduce ms (calls, KB each) | logits gather ms (KB) "
         "| step plan ms (bytes) |",

@@ -6,7 +6,7 @@ near B until its tail. Every system runs greedy with EOS ignored at one dtype (k
 CPU, given to vLLM too); kvloom's outputs with speculation are checked against kvloom's without.
 A last section times the phases of kvloom's verifying steps from the outside.
 
-    python -m kvloom.benchmarks.speculation    (measured: ~100 minutes on a busy 2-core AMD EPYC; each vLLM start takes ~3)
+    python -m kvloom.benchmarks.studies.speculation    (measured: ~100 minutes on a busy 2-core AMD EPYC; each vLLM start takes ~3)
 
 writes benchmarks/results/speculation.{md,json}.
 """
@@ -21,12 +21,13 @@ import numpy as np
 
 from kvloom.benchmarks.bench import environment, in_fresh_process, run_systems
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
-from kvloom.benchmarks.report import _lat, environment_lines, metric, notes, spec_cell
+from kvloom.benchmarks.report import environment_lines, notes, spec_cell
+from kvloom.benchmarks.run_results import latency_cell, metric
 from kvloom.benchmarks.workloads import TokenCorpus, Workload, make_workload
 from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-RUNS_DIR = Path(__file__).resolve().parent / "out" / "speculation"  # each system's records and logs
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
+RUNS_DIR = Path(__file__).resolve().parents[1] / "out" / "speculation"  # each system's records and logs
 BATCH_SIZES = (1, 4, 16, 64)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 SWITCH = 32  # disable_by_batch_size for kvloom's n-gram: above it a verifying step costs more than it saves
@@ -170,8 +171,8 @@ def batch_table(run: dict) -> str:
             rows.append(f"| {r['spec']['name']} | – | – | – | – | – | {r['status']} |")
             continue
         ratio = f"{m['output_tok_s'] / off:.2f}x" if off else "–"
-        rows.append(f"| {r['spec']['name']} | {m['output_tok_s']:.1f} | {ratio} | {_lat(m['tpot'], 'p50', ms=True)} / "
-                    f"{_lat(m['tpot'], 'p99', ms=True)} | {_lat(m['ttft'], 'p50', ms=False)} | {spec_cell(m)} | "
+        rows.append(f"| {r['spec']['name']} | {m['output_tok_s']:.1f} | {ratio} | {latency_cell(m['tpot'], 'p50', ms=True)} / "
+                    f"{latency_cell(m['tpot'], 'p99', ms=True)} | {latency_cell(m['ttft'], 'p50', ms=False)} | {spec_cell(m)} | "
                     f"{r['status']} |")
     return "\n".join(rows)
 
@@ -192,7 +193,7 @@ def write_report(doc: dict, out: Path) -> Path:
     (out / "speculation.json").write_text(json.dumps(doc, indent=1))
     runs = {int(b): run for b, run in doc["runs"].items()}
     lines = ["# Speculative decoding: copy-heavy workload", "", environment_lines(doc["environment"]),
-             f"All systems at dtype {doc['dtype']}; regenerate with `python -m kvloom.benchmarks.speculation` "
+             f"All systems at dtype {doc['dtype']}; regenerate with `python -m kvloom.benchmarks.studies.speculation` "
              f"({doc['wall_s'] / 60:.0f} min).", "",
              "Methods: " + "; ".join(f"`kvloom+{name}` = `{json.dumps(config)}`" for name, config in METHODS.items())
              + f"; `{VLLM_NGRAM}` = vLLM's CPU build with `speculative_config={json.dumps(NGRAM)}`. vLLM's TPOT "
@@ -216,7 +217,7 @@ def write_report(doc: dict, out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.speculation", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.studies.speculation", description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default=",".join(map(str, BATCH_SIZES)))
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--model", default="smollm2")

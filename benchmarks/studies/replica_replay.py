@@ -7,7 +7,7 @@ started and makes the calls the router makes, through a Serve handle: `submit` p
 offset, and every request's chunks back over one `outputs` channel, a step's worth per message (see
 router/channels.py). The records are the HTTP replay's, timed where the chunks arrive.
 
-    python -m kvloom.benchmarks.replica_replay --address GCS_ADDRESS --workload W.jsonl --out OUT.json
+    python -m kvloom.benchmarks.studies.replica_replay --address GCS_ADDRESS --workload W.jsonl --out OUT.json
 """
 
 import argparse

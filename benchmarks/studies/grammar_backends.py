@@ -1,6 +1,6 @@
 """xgrammar against llguidance, the measurement behind engine/structured_output.py's choice.
 
-    python -m kvloom.benchmarks.grammar_backends    # writes benchmarks/results/structured-outputs.md
+    python -m kvloom.benchmarks.studies.grammar_backends    # writes benchmarks/results/structured-outputs.md
 
 For each kind of constraint, on the embedded model's tokenizer: the time to compile it (cold, one thread),
 and the time to fill one row's token mask at each token of a valid output (walked token by token, each
@@ -16,7 +16,7 @@ from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.model.model_loader import load_tokenizer
 from kvloom.kernels.host_isa import host_isa
 
-OUT = Path(__file__).parent / "results" / "structured-outputs.md"
+OUT = Path(__file__).resolve().parents[1] / "results" / "structured-outputs.md"
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "tags": {"type": "array", "items": {"type": "string"}}},
           "required": ["name", "age", "tags"], "additionalProperties": False}
@@ -86,7 +86,7 @@ def main() -> None:
     lines = ["# Structured outputs: xgrammar or llguidance", "",
              f"{host_isa().describe()}; SmolLM2-135M's tokenizer ({len(tokenizer)} tokens); one thread. "
              "Compile: the constraint, cold. Mask: filling one row's token bitmask before each token of a "
-             "valid output (warm pass), mean / worst. Regenerate: `python -m kvloom.benchmarks.grammar_backends`.",
+             "valid output (warm pass), mean / worst. Regenerate: `python -m kvloom.benchmarks.studies.grammar_backends`.",
              "", "| constraint | xgrammar compile ms | xgrammar mask us | llguidance compile ms | llguidance mask us |",
              "|---|---|---|---|---|"]
     for name, kind, spec, text in CASES:

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: step times and a torch.profiler table at a few batch sizes.
 
-    python -m kvloom.benchmarks.profile_decode --dtype bfloat16 --batches 1,16,64
+    python -m kvloom.benchmarks.studies.profile_decode --dtype bfloat16 --batches 1,16,64
 
 Each batch is that many requests with 256-token prompts, prefilled first; then decode steps are timed
 (median and best of 10) and 5 more are profiled. Results in benchmarks/results/decode-profile.md.

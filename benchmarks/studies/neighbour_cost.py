@@ -15,7 +15,7 @@ the neighbours' share of the machine (their CPU time over cores x wall time), th
 throughput lost, and their ratio, the amplification: 1.0 where the engine gives up just the CPU the
 neighbours used, up to the number of threads where every burst stalls all of them.
 
-    python -m kvloom.benchmarks.neighbour_cost [--batch 48] [--rounds 16] [--steps 10]   (~2 minutes)
+    python -m kvloom.benchmarks.studies.neighbour_cost [--batch 48] [--rounds 16] [--steps 10]   (~2 minutes)
 
 writes benchmarks/results/neighbour-cost/<host>.md.
 """
@@ -29,13 +29,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvloom.benchmarks.profile_decode import fill
+from kvloom.benchmarks.studies.profile_decode import fill
 from kvloom.benchmarks.serving_cpu import process_cpu_seconds
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.kernels.host_isa import host_isa
 from kvloom.kernels.item_pool import intra_op_threads
 
-RESULTS = Path(__file__).resolve().parent / "results" / "neighbour-cost"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "neighbour-cost"
 # (period s, burst s) per neighbour process: a router's step of streamed tokens, the client's and the
 # replica's own share of it, and Ray's periodic wake-ups
 NEIGHBOURS = ((0.2, 0.010), (0.2, 0.004), (0.2, 0.003), *[(0.01, 0.0001)] * 4)
@@ -118,7 +118,7 @@ def report(m: dict) -> str:
         f"Host: {host_isa().describe()}, {m['cores']} CPUs; SmolLM2 {m['dtype']}, {m['threads']} engine threads, "
         f"{m['batch']} requests decoding (256-token prompts). {m['rounds']} quiet rounds of {m['steps']} decode steps "
         f"alternated with as many beside synthetic neighbours ({len(NEIGHBOURS)} SCHED_BATCH processes shaped after "
-        f"a served W1 run). Regenerate: `python -m kvloom.benchmarks.neighbour_cost`.",
+        f"a served W1 run). Regenerate: `python -m kvloom.benchmarks.studies.neighbour_cost`.",
         "",
         "| decode step, quiet (median) | beside the neighbours | neighbours' share of the machine | "
         "engine throughput lost | amplification (lost / share) |",

@@ -5,7 +5,7 @@ Two colocated replicas against one prefill + one decode replica (both transports
 TTFT and TPOT p50/p99 and tok/s per setup. On a 2-core CPU both setups share the same two cores,
 so this measures scheduling and hand-off overhead honestly, not the GPU win (see the report).
 
-Run: `python -m kvloom.benchmarks.disagg` (about 10 minutes on 2 cores); writes
+Run: `python -m kvloom.benchmarks.studies.disagg` (about 10 minutes on 2 cores); writes
 `benchmarks/results/disagg.{md,json}`.
 """
 
@@ -24,7 +24,7 @@ from kvloom.benchmarks.metrics import RunMetrics, summarize
 from kvloom.benchmarks.workloads import default_corpus, make_workload
 from kvloom.cluster.config import ClusterConfig
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[1] / "results"
 ENGINE = {"max_model_len": 4096, "max_num_seqs": 16, "kv_cache_memory_bytes": 512 << 20}
 SETUPS = {
     "colocated 2x": {"num_replicas": 2},
@@ -62,7 +62,7 @@ def write_report(results: dict, meta: dict, out: Path) -> None:
     lines = [
         "# Colocated vs disaggregated prefill/decode (CPU)", "",
         f"Machine: {meta['machine']}; model SmolLM2-135M fp32; one torch thread per replica; "
-        f"regenerate with `python -m kvloom.benchmarks.disagg` ({meta['wall_s']:.0f} s).", "",
+        f"regenerate with `python -m kvloom.benchmarks.studies.disagg` ({meta['wall_s']:.0f} s).", "",
     ]
     for name, by_setup in results.items():
         lines += [f"## {name} ({WORKLOADS[name]})", "",
@@ -95,7 +95,7 @@ def write_report(results: dict, meta: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.disagg", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.studies.disagg", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
 

@@ -4,12 +4,12 @@ Issue 17 asks `kvloom serve` for at least 0.9x of the offline throughput on W1. 
 hosts whose speed drifts 10-30% within minutes, so one run of each decides little. Here, in each round, three
 runs follow one another, each in fresh processes: the offline engine with the settings `kvloom serve` ships
 (chunked prefill on; the benchmark's shared settings); `kvloom serve` with the workload sent straight to its
-engine replica (benchmarks/replica_replay.py: the engine as Serve hosts it, beside Ray's processes, with no
+engine replica (benchmarks/studies/replica_replay.py: the engine as Serve hosts it, beside Ray's processes, with no
 router, HTTP or client); and `kvloom serve` over streaming HTTP, what a user gets. The first step down is what
 hosting the engine in Ray Serve costs, the second what the HTTP path costs. The report gives every round's
 ratios and their medians, each run's engine steps and time a step, and whose CPU each served run used.
 
-    python -m kvloom.benchmarks.serving_ratio [--rounds 3] [--out DIR]     (~3 minutes a round)
+    python -m kvloom.benchmarks.studies.serving_ratio [--rounds 3] [--out DIR]     (~3 minutes a round)
 """
 
 import argparse
@@ -25,7 +25,7 @@ from kvloom.benchmarks.external_peers import Server, ServerUnavailable, run_exte
 from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, run_isolated
 from kvloom.benchmarks.metrics import RequestRecord
 from kvloom.benchmarks.process_tree import wait_for
-from kvloom.benchmarks.replica_replay import cluster_address
+from kvloom.benchmarks.studies.replica_replay import cluster_address
 from kvloom.benchmarks.serving_cpu import beside_engine, serving_cpu_line
 from kvloom.benchmarks.workloads import Workload, default_corpus, make_workload
 from kvloom.kernels.host_isa import host_isa
@@ -59,7 +59,7 @@ def run_replica(workload_path: Path, settings: BenchSettings, out_dir: Path) -> 
         address = _printed_address(out_dir / "log.txt")
         try:
             with (out_dir / "driver.txt").open("w") as driver_log:
-                subprocess.run([sys.executable, "-m", "kvloom.benchmarks.replica_replay", "--address", address,
+                subprocess.run([sys.executable, "-m", "kvloom.benchmarks.studies.replica_replay", "--address", address,
                                 "--workload", str(driven), "--out", str(records_path)],
                                stdout=driver_log, stderr=subprocess.STDOUT, check=True, timeout=left_s)
         except subprocess.SubprocessError as exc:
@@ -122,7 +122,7 @@ def report(rows: list[dict], describe_cpu: str, settings: BenchSettings) -> str:
         f"each run in fresh processes: the offline `LLMEngine` with `kvloom serve`'s engine settings ({OFFLINE.name}); "
         "`kvloom serve` (shipped config) with the 64 requests sent straight to its engine replica through a Serve "
         "handle (no router, HTTP or client); `kvloom serve` over streaming HTTP, 64 concurrent requests. Regenerate: "
-        "`python -m kvloom.benchmarks.serving_ratio`.",
+        "`python -m kvloom.benchmarks.studies.serving_ratio`.",
         "",
         "| round | offline out tok/s | steps, ms a step | straight to the replica | steps, ms a step | over HTTP "
         "| steps, ms a step | replica / offline | HTTP / offline | CPU s beside the engine, HTTP |",
@@ -153,7 +153,7 @@ def report(rows: list[dict], describe_cpu: str, settings: BenchSettings) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "out" / "serving-ratio")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "out" / "serving-ratio")
     args = parser.parse_args()
     settings = BenchSettings()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ not, or a bad one not answered 400), how RSS and KV usage moved after the warm-u
 drifted from the first window after the warm-up to the last, and whether each tenant's usage covers
 what its clients received; with a plot.
 
-    python -m kvloom.benchmarks.soak      (30 minutes plus start-up; writes benchmarks/results/soak.{md,json,png})
+    python -m kvloom.benchmarks.studies.soak      (30 minutes plus start-up; writes benchmarks/results/soak.{md,json,png})
 """
 
 import argparse
@@ -28,7 +28,7 @@ from kvloom.benchmarks.bench import environment
 from kvloom.benchmarks.external_peers import HERE, SERVED_NAME, running_server
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
 from kvloom.benchmarks.process_tree import tree_rss_mb, wait_for
-from kvloom.benchmarks.report import _pyplot, environment_lines
+from kvloom.benchmarks.report import environment_lines, pyplot
 
 RESULTS_DIR = HERE / "results"
 RUNS_DIR = HERE / "out" / "soak"
@@ -253,7 +253,7 @@ def summarize(soak: Soak, plan: SoakPlan, usage: dict[str, int], kv_after: float
 
 # ---- report --------------------------------------------------------------------------------------------
 def plot(soak: Soak, summary: dict, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     minutes = [s.t / 60 for s in soak.samples]
     axes[0].plot(minutes, [s.rss_mb for s in soak.samples])
@@ -287,7 +287,7 @@ def write_report(doc: dict, soak: Soak, out_dir: Path) -> Path:
              f"{plan['minutes']:.0f} minutes, {plan['workers']} client loops (one request at a time each, seed "
              f"{plan['seed']}), mix {', '.join(f'{k} {v:.0%}' for k, v in MIX.items())}; warm-up "
              f"{plan['warmup_minutes']:.0f} minutes; samples every {plan['sample_s']:.0f} s. "
-             f"Regenerate: `python -m kvloom.benchmarks.soak`.", "",
+             f"Regenerate: `python -m kvloom.benchmarks.studies.soak`.", "",
              "| goal | measured | met |", "|---|---|---|"]
     measured = {
         "no request lost": f"{s['lost']} of {s['requests']} ({', '.join(f'{k} {v}' for k, v in s['by_kind'].items())})",
@@ -318,7 +318,7 @@ def write_report(doc: dict, soak: Soak, out_dir: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.soak", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.studies.soak", description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=SoakPlan.minutes)
     parser.add_argument("--warmup-minutes", type=float, default=SoakPlan.warmup_minutes)
     parser.add_argument("--window-minutes", type=float, default=SoakPlan.window_minutes)

@@ -9,7 +9,7 @@ and divided by the events the client received. A W1 run with SmolLM2 streams ~9,
 router's ~150 us an event it costs ~1.4 CPU seconds; on a 2-core host, whatever the serving path uses, the
 engine's two threads do not get.
 
-    python -m kvloom.benchmarks.serving_overhead    (~1 minute)
+    python -m kvloom.benchmarks.studies.serving_overhead    (~1 minute)
 
 writes benchmarks/results/serving-overhead.md.
 """
@@ -32,7 +32,7 @@ from kvloom.benchmarks.tiny_model import build_tiny_llama
 from kvloom.cluster.ports import free_port
 from kvloom.kernels.host_isa import host_isa
 
-RESULTS = Path(__file__).resolve().parent / "results" / "serving-overhead.md"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "serving-overhead.md"
 STREAMS = 64
 
 
@@ -88,7 +88,7 @@ def report(result: dict) -> str:
         f"Host: {host_isa().describe()}, {os.cpu_count()} CPUs. `kvloom serve` (shipped defaults: direct ingress, one "
         f"replica with every CPU) on a tiny random Llama; {STREAMS} concurrent streaming completions of "
         f"{result['tokens']} tokens, after a warm-up round of the same. {events} events in {wall:.1f} s "
-        f"({events / wall:.0f} a second). Regenerate: `python -m kvloom.benchmarks.serving_overhead`.",
+        f"({events / wall:.0f} a second). Regenerate: `python -m kvloom.benchmarks.studies.serving_overhead`.",
         "",
         "| process | CPU s | us per event |",
         "|---|---|---|",
