@@ -31,7 +31,7 @@ class SubmitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     request_id: str = Field(min_length=1)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[int]  # checked by the engine, whose errors name the HTTP request's `prompt`
     sampling: SamplingParams
     engine_priority: int = 0  # the engine's scheduling priority (lower runs first): the tenant's class, aged
     fork_of: str | None = None  # a request whose prompt KV this one shares (a prompt's later choices)
