@@ -23,9 +23,7 @@ fi
 cmd="${1:-serve}"
 [[ $# -gt 0 ]] && shift
 case "$cmd" in
-  # tests run in KVLOOM_TEST_WORKERS processes (pytest-xdist), a module's tests in one of them: most of the suite
-  # waits on Ray and servers, so two workers overlap those waits on a 2-core host
-  test) exec "$venv/bin/python" -m pytest -n "${KVLOOM_TEST_WORKERS:-2}" --dist loadfile "$@" ;;
+  test) exec "$venv/bin/python" -m pytest "$@" ;;
   serve) exec "$venv/bin/kvloom" serve "$@" ;;
   *) exec "$venv/bin/kvloom" "$cmd" "$@" ;;
 esac

@@ -54,7 +54,7 @@ def pytest_report_header(config):
 
 def pytest_runtest_setup(item):
     features = [mark.args[0] for mark in item.iter_markers("host")]
-    item.user_properties.append(("host_features", features))  # reports carry them to pytest-xdist's controller
+    item.user_properties.append(("host_features", features))  # the report carries them to the summary
     for feature in features:
         if not host_has(feature):
             pytest.skip(f"needs {HOST_FEATURES[feature][0]}, which this host lacks")
