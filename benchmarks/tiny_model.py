@@ -4,9 +4,15 @@ whose engine steps must cost next to nothing."""
 from pathlib import Path
 
 
-def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama", tied: bool = False) -> Path:
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s> {% endfor %}"
+                 "{% if add_generation_prompt %}assistant {% endif %}")
+
+
+def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama", tied: bool = False,
+                     chat: bool = False) -> Path:
     """A 2-layer random Llama-family model (llama, qwen2, qwen3) with grouped-query attention and a
-    word-level tokenizer (`w3` .. `w511`); `tied`: the LM head shares the embedding table (like SmolLM2)."""
+    word-level tokenizer (`w3` .. `w511`); `tied`: the LM head shares the embedding table (like SmolLM2);
+    `chat`: the tokenizer has a chat template (CHAT_TEMPLATE), so the chat endpoints serve it."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -19,6 +25,8 @@ def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama", tied:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
     )
+    if chat:
+        tokenizer.chat_template = CHAT_TEMPLATE
     config = AutoConfig.for_model(
         model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,

@@ -2,6 +2,9 @@
 
 from dataclasses import dataclass
 
+from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.scheduler import Scheduler
+
 
 @dataclass
 class EngineStats:
@@ -23,3 +26,15 @@ class EngineStats:
     @property
     def mean_batch_size(self) -> float:
         return self.batch_slots / self.num_steps if self.num_steps else 0.0
+
+    @classmethod
+    def collect(cls, scheduler: Scheduler, kv: KVCacheManager, step_seconds: float) -> "EngineStats":
+        pool, counters = kv.pool, scheduler.counters
+        return cls(
+            num_running=len(scheduler.running), num_waiting=len(scheduler.waiting), num_free_blocks=pool.num_free,
+            num_blocks=pool.num_blocks, peak_used_blocks=pool.peak_num_used, kv_cache_usage=pool.usage,
+            prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.hits,
+            num_preemptions=scheduler.num_preemptions, num_steps=counters.num_steps, batch_slots=counters.batch_slots,
+            step_seconds=step_seconds, idle_slot_steps=counters.idle_slot_steps,
+            padding_tokens=scheduler.batching.padding_tokens,
+        )

@@ -89,3 +89,11 @@ class InputProcessor:
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(field, f"token id {bad[0]} outside the vocabulary (0..{self.vocab_size - 1})")
+
+    def check_continuation(self, request: Request, output_token_ids: list[int]) -> None:
+        """Tokens another engine generated for `request`: in the vocabulary, and leaving room for one more."""
+        self.check_vocabulary("output_token_ids", output_token_ids)
+        max_tokens = request.sampling_params.max_tokens
+        if not 0 < len(output_token_ids) < max_tokens:
+            raise InvalidRequestError("output_token_ids", f"continues with {len(output_token_ids)} tokens; "
+                                      f"max_tokens is {max_tokens}")

@@ -14,19 +14,19 @@ import torch
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.detokenizer import token_decoder
 from kvloom.engine.engine_stats import EngineStats
-from kvloom.engine.errors import ConfigError, InvalidRequestError
+from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
-from kvloom.engine.model.model_loader import load_decoder, load_tokenizer
+from kvloom.engine.model.model_loader import eos_token_ids, load_decoder, load_tokenizer
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.parking import ParkedKV
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.resources import (check_batch_limits, kv_block_count, profile_cuda_budget, resolve_device,
-                                     resolve_dtype, resolve_kv_dtype)
+                                     resolve_dtype, resolve_kv_dtype, resolve_max_model_len)
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
@@ -53,15 +53,9 @@ class LLMEngine:
         self.model_config = ModelConfig.from_dir(model_dir)
         self.tokenizer = load_tokenizer(model_dir, self.model_config)
         self.shards = plan_shards(self.model_config, config.tensor_parallel_size)
-        context_length = self.model_config.max_position_embeddings
-        self.max_model_len = config.max_model_len or context_length
-        if self.max_model_len > context_length:
-            raise ConfigError("max_model_len", f"{self.max_model_len} exceeds the model's context length "
-                                               f"({context_length})")
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.vocab_size = self.model_config.vocab_size
-        self.eos_token_ids = set(self.model_config.eos_token_ids)
-        if isinstance(self.tokenizer.eos_token_id, int):
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                      self.grammars)
@@ -127,11 +121,7 @@ class LLMEngine:
         from them; it is recomputed like a preempted request (a prefix-cache hit where the blocks are here).
         The text held back for a stop string or a split character comes out once, from `emitted_chars` (what
         the client has) on."""
-        params = request.sampling_params
-        self.inputs.check_vocabulary("output_token_ids", output_token_ids)
-        if not 0 < len(output_token_ids) < params.max_tokens:
-            raise InvalidRequestError("output_token_ids", f"continues with {len(output_token_ids)} tokens; "
-                                      f"max_tokens is {params.max_tokens}")
+        self.inputs.check_continuation(request, output_token_ids)
         self.register_request(request)
         self.outputs.replay(request, output_token_ids, emitted_chars)
         self.scheduler.add_request(request)
@@ -225,12 +215,4 @@ class LLMEngine:
         return self.speculator.stats if self.speculator is not None else None
 
     def stats(self) -> EngineStats:
-        pool, counters = self.kv.pool, self.scheduler.counters
-        return EngineStats(
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=pool.num_free, num_blocks=pool.num_blocks, peak_used_blocks=pool.peak_num_used,
-            kv_cache_usage=pool.usage, prefix_cache_queries=self.kv.stats.queries,
-            prefix_cache_hits=self.kv.stats.hits, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=counters.num_steps, batch_slots=counters.batch_slots, step_seconds=self.step_seconds,
-            idle_slot_steps=counters.idle_slot_steps, padding_tokens=self.scheduler.batching.padding_tokens,
-        )
+        return EngineStats.collect(self.scheduler, self.kv, self.step_seconds)

@@ -7,6 +7,7 @@ import torch
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.request import Request
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
@@ -48,6 +49,15 @@ def resolve_dtype(requested: str, device: torch.device, isa: HostISA | None = No
 def resolve_kv_dtype(requested: str, dtype: torch.dtype) -> torch.dtype:
     """`auto`: the model's dtype."""
     return dtype if requested == "auto" else DTYPES[requested]
+
+
+def resolve_max_model_len(config: EngineConfig, model_config: ModelConfig) -> int:
+    """`max_model_len`, by default the model's context length, which it may not exceed."""
+    context_length = model_config.max_position_embeddings
+    max_model_len = config.max_model_len or context_length
+    if max_model_len > context_length:
+        raise ConfigError("max_model_len", f"{max_model_len} exceeds the model's context length ({context_length})")
+    return max_model_len
 
 
 def check_batch_limits(config: EngineConfig, max_model_len: int) -> None:

@@ -1,5 +1,6 @@
 """Several replicas behind the router: spreading load, rescaling by config, and a bounded load test.
-Real Ray, real HTTP on loopback. Killed replicas and their streams: test_chaos.py."""
+Real Ray, real HTTP on loopback, the tiny random model (what is tested is the cluster, not the model's text).
+Killed replicas and their streams: test_chaos.py."""
 
 import asyncio
 import time
@@ -19,10 +20,11 @@ pytestmark = pytest.mark.slow
 
 YAML = """
 name: kvloom
+served_model_name: tiny
 engine:
-  model: smollm2
+  model: {model}
   dtype: float32  # greedy output is the same whichever replica computes it
-  kv_cache_memory_bytes: 134217728
+  kv_cache_memory_bytes: 16777216
   max_model_len: 1024
   max_num_seqs: 8
 num_replicas: {replicas}
@@ -32,20 +34,20 @@ resources:
 """
 
 
-def write_config(tmp_path, replicas: int):
+def write_config(tmp_path, model_dir, replicas: int):
     path = tmp_path / f"cluster-{replicas}.yaml"
-    path.write_text(YAML.format(replicas=replicas))
+    path.write_text(YAML.format(model=model_dir, replicas=replicas))
     return load_cluster_config(path)
 
 
 @pytest.fixture(scope="module")
-def two_replicas(ray_serve, deploy_app, tmp_path_factory):
-    router = deploy_app(write_config(tmp_path_factory.mktemp("cfg"), 2))
+def two_replicas(ray_serve, deploy_app, tmp_path_factory, tiny_model_dir):
+    router = deploy_app(write_config(tmp_path_factory.mktemp("cfg"), tiny_model_dir, 2))
     return ray_serve, router
 
 
 async def complete(client: httpx.AsyncClient, prompt: str, max_tokens: int = 12, stream: bool = False) -> dict:
-    body = {"model": "smollm2", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
     if not stream:
         response = await client.post("/v1/completions", json=body)
         return {"status": response.status_code, "body": response.json()}
@@ -150,20 +152,22 @@ def test_bounded_load_200_requests_32_concurrent(two_replicas):
           f"non-streamed completion tokens {tokens}")
 
 
-def test_rescale_by_editing_num_replicas(two_replicas, deploy_app, tmp_path):
-    router = deploy_app(write_config(tmp_path, 1))
+def test_rescale_by_editing_num_replicas(two_replicas, deploy_app, tmp_path, tiny_model_dir):
+    router = deploy_app(write_config(tmp_path, tiny_model_dir, 1))
     deadline = time.monotonic() + 60
     while len(router.replica_stats.remote().result()) != 1 or running_replicas() != 1:
         assert time.monotonic() < deadline, "did not scale down"
         time.sleep(0.5)
 
 
-def test_the_shipped_default_gives_a_lone_replica_every_cpu_and_splits_them_between_two(ray_serve, deploy_app):
-    """configs/local-cpu.yaml as shipped (a smaller KV budget aside): its one replica runs on all the CPUs its
-    process may use, and two replicas on the node get half each; each says so in its stats."""
+def test_the_shipped_default_gives_a_lone_replica_every_cpu_and_splits_them_between_two(ray_serve, deploy_app,
+                                                                                         tiny_model_dir):
+    """configs/local-cpu.yaml as shipped (the tiny model and a smaller KV budget aside): its one replica runs on all
+    the CPUs its process may use, and two replicas on the node get half each; each says so in its stats."""
     shipped = load_cluster_config(DEFAULT_CONFIG)
     assert shipped.resources.torch_threads is None
-    engine = shipped.engine.model_copy(update={"kv_cache_memory_bytes": 128 << 20, "max_model_len": 1024})
+    engine = shipped.engine.model_copy(update={"model": str(tiny_model_dir), "kv_cache_memory_bytes": 16 << 20,
+                                               "max_model_len": 1024})
     lone = shipped.model_copy(update={"engine": engine})
     for config, threads in ((lone, usable_cpus()), (lone.model_copy(update={"num_replicas": 2}),
                                                     share_of_node(usable_cpus(), 2))):

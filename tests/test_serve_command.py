@@ -126,7 +126,7 @@ def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
     streamed = {}
 
     def long_stream():
-        chunks = [c for c in client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=300,
+        chunks = [c for c in client.completions.create(model="smollm2", prompt="Once upon a time", max_tokens=120,
                                                        temperature=0, stream=True, extra_body={"ignore_eos": True})
                   if c.choices]
         streamed["text"] = "".join(c.choices[0].text for c in chunks)

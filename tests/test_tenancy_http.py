@@ -1,7 +1,8 @@
 """Multi-tenancy over real HTTP on a local Ray cluster: keys, quotas, fair share, priority, usage.
 
-One replica with max_num_seqs=2 and no router slack, so queues form after two requests and the
-router's policy decides every order.
+One replica of the tiny random model (with a chat template) with max_num_seqs=2 and no router slack, so queues
+form after two requests and the router's policy decides every order. Tests that need requests to be running wait
+for their first tokens (an event), and make them long (EOS ignored) so they still run when the next one comes.
 """
 
 import asyncio
@@ -28,8 +29,10 @@ TENANTS = [
     {"name": "vip", "api_keys": ["sk-vip"], "best_priority": -10},
     {"name": "batch", "api_keys": ["sk-batch"], "priority": 5},
 ]
+LONG = 300  # tokens: a second or more of decoding for the tiny model
 CONFIG = {
-    "engine": {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 512, "max_num_seqs": 2},
+    "served_model_name": "tiny",
+    "engine": {"dtype": "float32", "kv_cache_memory_bytes": 16 << 20, "max_model_len": 1024, "max_num_seqs": 2},
     "num_replicas": 1,
     "router": {"replica_slack": 0, "policy": "priority+fair", "priority_aging_s": None,
                "metrics_require_admin": True},
@@ -50,8 +53,18 @@ class Result:
 
 
 @pytest.fixture(scope="module")
-def server(ray_serve, deploy_app):
-    router = deploy_app(ClusterConfig.model_validate(CONFIG))
+def model_dir(tmp_path_factory, build_tiny_model):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-chat"), chat=True)
+
+
+def config(model_dir, tenants=TENANTS) -> ClusterConfig:
+    return ClusterConfig.model_validate({**CONFIG, "engine": {**CONFIG["engine"], "model": str(model_dir)},
+                                         "tenants": tenants})
+
+
+@pytest.fixture(scope="module")
+def server(ray_serve, deploy_app, model_dir):
+    router = deploy_app(config(model_dir))
     return ray_serve, router
 
 
@@ -59,9 +72,11 @@ def auth(key: str | None) -> dict:
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-async def stream(base: str, key: str, max_tokens: int = 8, path: str = "/v1/completions", **extra) -> Result:
-    """A streamed request with usage; records time to first token and completion time."""
-    body = {"model": "smollm2", "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+async def stream(base: str, key: str, max_tokens: int = 8, path: str = "/v1/completions",
+                 started: asyncio.Event | None = None, **extra) -> Result:
+    """A streamed request with usage; records time to first token and completion time, and sets `started` at
+    its first token."""
+    body = {"model": "tiny", "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
             "temperature": 0, "ignore_eos": True, **extra}
     if path == "/v1/completions":
         body["prompt"] = PROMPT
@@ -79,6 +94,8 @@ async def stream(base: str, key: str, max_tokens: int = 8, path: str = "/v1/comp
                     continue
                 if result.ttft is None:
                     result.ttft = time.monotonic() - start
+                    if started is not None:
+                        started.set()
                 chunk = httpx.Response(200, content=line[6:]).json()
                 assert "error" not in chunk, chunk
                 result.usage = chunk.get("usage") or result.usage
@@ -87,8 +104,22 @@ async def stream(base: str, key: str, max_tokens: int = 8, path: str = "/v1/comp
     return result
 
 
+def streams(base: str, key: str, count: int, max_tokens: int = LONG, **extra) -> tuple[list, list[asyncio.Event]]:
+    """`count` streamed requests started at once: their tasks, and the events set at their first tokens."""
+    events = [asyncio.Event() for _ in range(count)]
+    return [asyncio.create_task(stream(base, key, max_tokens, started=e, **extra))
+            for e in events], events
+
+
+async def first_tokens(events: list[asyncio.Event], count: int) -> None:
+    """Until `count` of the streams have their first token (the rest: queued behind them)."""
+    while sum(e.is_set() for e in events) < count:
+        await asyncio.wait([asyncio.create_task(e.wait()) for e in events if not e.is_set()],
+                           return_when=asyncio.FIRST_COMPLETED, timeout=60)
+
+
 async def complete(base: str, key: str | None, max_tokens: int = 4, **extra) -> Result:
-    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra}
     start = time.monotonic()
     async with httpx.AsyncClient(timeout=120) as client:
         response = await client.post(f"{base}/v1/completions", json=body, headers=auth(key))
@@ -150,8 +181,8 @@ async def test_tokens_per_minute_debt_lets_the_request_finish_and_delays_the_nex
 
 async def test_max_concurrent_requests(server):
     base, _ = server
-    running = asyncio.create_task(stream(base, "sk-solo", max_tokens=40))
-    await asyncio.sleep(0.5)
+    (running,), started = streams(base, "sk-solo", 1)
+    await first_tokens(started, 1)
     refused = await complete(base, "sk-solo")
     assert refused.status == 429 and refused.body["error"]["code"] == "max_concurrent_requests"
     assert "retry-after" in refused.headers
@@ -163,10 +194,11 @@ async def test_max_concurrent_requests(server):
 async def test_queue_wait_over_the_tenant_limit_is_503(server):
     base, _ = server
     # two tenants share the two slots: a third is below a whole slot's share, so it cannot preempt; long
-    # enough (EOS ignored) that both slots stay taken past its 0.5 s wait however fast the engine is
-    busy = [asyncio.create_task(stream(base, key, max_tokens=96, ignore_eos=True))
-            for key in ("sk-alice", "sk-bob") * 2]
-    await asyncio.sleep(0.5)
+    # enough (EOS ignored) that both slots stay taken past its 0.5 s wait
+    alice, alice_started = streams(base, "sk-alice", 2)
+    bob, bob_started = streams(base, "sk-bob", 2)
+    busy = alice + bob
+    await first_tokens(alice_started + bob_started, 2)
     result = await complete(base, "sk-impatient")
     assert result.status == 503 and result.body["error"]["code"] == "max_queue_wait_s"
     assert "retry-after" in result.headers
@@ -176,11 +208,12 @@ async def test_queue_wait_over_the_tenant_limit_is_503(server):
 async def test_a_flood_does_not_push_another_tenant_over_its_latency_goal(server):
     """bob alone, then bob while alice floods: bob's goal is to wait no longer than one request."""
     base, _ = server
-    alone = await stream(base, "sk-bob", max_tokens=16)
-    flood = [asyncio.create_task(stream(base, "sk-alice", max_tokens=16)) for _ in range(10)]
-    await asyncio.sleep(0.3)  # the flood is in: two running, the rest queued
+    length = 100  # tokens, each request: long enough for a queue to form behind the two running ones
+    alone = await stream(base, "sk-bob", max_tokens=length)
+    flood, started = streams(base, "sk-alice", 10, max_tokens=length)
+    await first_tokens(started, 2)  # the flood is in: two running, the rest queued
     sent = time.monotonic()
-    bob = await stream(base, "sk-bob", max_tokens=16)
+    bob = await stream(base, "sk-bob", max_tokens=length)
     alice = await asyncio.gather(*flood)
     assert all(r.status == 200 for r in alice) and bob.status == 200
     ahead = [r for r in alice if r.finished_at > sent]  # still running or queued when bob came
@@ -193,10 +226,9 @@ async def test_a_flood_does_not_push_another_tenant_over_its_latency_goal(server
 async def test_high_priority_overtakes_the_queue_and_preempts_in_the_engine(server):
     base, router = server
     preempted_before = await preemptions(router)
-    # long enough (EOS ignored) that the two running ones are still running when the urgent one arrives,
-    # however fast the engine is
-    low = [asyncio.create_task(stream(base, "sk-batch", max_tokens=96, ignore_eos=True)) for _ in range(5)]
-    await asyncio.sleep(1.5)  # the engine runs two, three wait in the router
+    # long enough (EOS ignored) that the two running ones are still running when the urgent one arrives
+    low, started = streams(base, "sk-batch", 5)
+    await first_tokens(started, 2)  # the engine runs two, three wait in the router
     sent = time.monotonic()
     urgent = await stream(base, "sk-vip", max_tokens=8, priority=-5)
     assert urgent.status == 200
@@ -233,16 +265,15 @@ async def test_usage_equals_the_sum_of_usage_returned_to_clients(server):
         assert generated in metrics
 
 
-async def test_reload_adds_keys_and_keeps_usage(server):
+async def test_reload_adds_keys_and_keeps_usage(server, model_dir):
     base, router = server
     before = usage(base)
-    tenants = TENANTS + [{"name": "erin", "api_keys": ["sk-erin"]}]
-    new = ClusterConfig.model_validate({**CONFIG, "tenants": tenants})
+    new = config(model_dir, TENANTS + [{"name": "erin", "api_keys": ["sk-erin"]}])
     try:
         await router.reconfigure.remote(tenancy_user_config(new))
         assert (await complete(base, "sk-erin")).status == 200
         after = usage(base)
         assert after["alice"] == before["alice"] and after["erin"]["requests"] == 1
     finally:
-        await router.reconfigure.remote(tenancy_user_config(ClusterConfig.model_validate(CONFIG)))
+        await router.reconfigure.remote(tenancy_user_config(config(model_dir)))
     assert (await complete(base, "sk-erin")).status == 401

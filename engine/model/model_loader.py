@@ -31,6 +31,14 @@ def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 
+def eos_token_ids(config: ModelConfig, tokenizer) -> set[int]:
+    """The ids that end a generation: the model's (generation) config's and the tokenizer's own."""
+    ids = set(config.eos_token_ids)
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
