@@ -57,11 +57,17 @@ def sse_events(base: str, path: str, body: dict) -> list[dict]:
 
 
 # ---- sampling knobs --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain_greedy(offline):
+    """The first prompt's greedy output, EOS ignored, with no knob: what each knob must change."""
+    return offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True)
+
+
 @pytest.mark.parametrize("knobs", [
     {"presence_penalty": 2.0}, {"frequency_penalty": 1.5, "presence_penalty": -0.5}, {"repetition_penalty": 1.5},
     {"logit_bias": {"11": 4.0, "28": -100}},
 ], ids=["presence", "frequency+presence", "repetition", "logit_bias"])
-def test_penalties_and_logit_bias_match_the_offline_engine(client, offline, knobs):
+def test_penalties_and_logit_bias_match_the_offline_engine(client, offline, plain_greedy, knobs):
     """Long enough (EOS ignored) that the plain greedy text repeats itself, so each knob changes it."""
     extra = {"ignore_eos": True} | ({"repetition_penalty": knobs["repetition_penalty"]} if "repetition_penalty" in knobs else {})
     openai_knobs = {k: v for k, v in knobs.items() if k != "repetition_penalty"}
@@ -70,8 +76,7 @@ def test_penalties_and_logit_bias_match_the_offline_engine(client, offline, knob
     engine_knobs = {**knobs, "logit_bias": {int(k): v for k, v in knobs.get("logit_bias", {}).items()}}
     expected = offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True, **engine_knobs)
     assert result.choices[0].text == expected.text
-    plain = offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True)
-    assert expected.token_ids != plain.token_ids, "the knob changes this output"
+    assert expected.token_ids != plain_greedy.token_ids, "the knob changes this output"
 
 
 def test_min_tokens_keeps_a_short_answer_going(client, offline):
