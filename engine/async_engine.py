@@ -13,13 +13,13 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread, schedule_normally
 from kvloom.engine.errors import EngineDeadError, InvalidRequestError
-from kvloom.engine.engine_stats import EngineStats
+from kvloom.engine.engine_stats import EngineReport, EngineStats
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
@@ -187,8 +187,7 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream incremental outputs; raises InvalidRequestError before anything is queued."""
         self.check_health()
-        request_id = request_id or uuid.uuid4().hex
-        request = self.engine.make_request(request_id, prompt, params, priority)
+        request = self.make_request(request_id or uuid.uuid4().hex, prompt, params, priority)
         async for output in self.generate_request(request):
             yield output
 
@@ -215,6 +214,11 @@ class AsyncLLMEngine:
                 self.stream_ended(request.request_id)
             else:
                 self.close_stream(request.request_id)
+
+    def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                     priority: int = 0) -> Request:
+        """Validate and tokenize; touches no engine state, so any thread may call it."""
+        return self.engine.make_request(request_id, prompt, params, priority)
 
     def abort(self, request_id: str) -> None:
         self._send(lambda engine: engine.abort(request_id))
@@ -262,6 +266,27 @@ class AsyncLLMEngine:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    @property
+    def device(self):
+        return self.engine.device
+
+    @property
+    def step_threads(self) -> int | None:
+        """Torch threads a step runs on: each rank's under tensor parallelism, else what was asked."""
+        return getattr(self.engine.runner, "num_threads", self.num_threads)
+
+    def report(self, recent_prefix_hashes: int) -> EngineReport:
+        """Counters and facts for the router; the counters are read without stopping the step (a snapshot
+        that may be a step old). `recent_prefix_hashes`: how many of the latest cached blocks' hashes."""
+        engine = self.engine
+        spec = engine.spec_decode_stats
+        return EngineReport(
+            stats=engine.stats(), device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+            block_size=engine.block_size, max_model_len=engine.max_model_len,
+            spec_decode=asdict(spec) if spec else None,
+            recent_prefix_hashes=engine.kv.pool.recent_hashes(recent_prefix_hashes),
+            ranks=list(getattr(engine.runner, "reports", [])))
 
     def check_health(self) -> None:
         if self.dead_error is not None:

@@ -1,6 +1,7 @@
-"""An engine's counters, as `LLMEngine.stats()` reports them (replicas push them to the router)."""
+"""An engine's counters, as `LLMEngine.stats()` reports them, and `EngineReport`, what a replica tells the router
+about its engine (counters and the facts that do not change)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.scheduler import Scheduler
@@ -38,3 +39,17 @@ class EngineStats:
             step_seconds=step_seconds, idle_slot_steps=counters.idle_slot_steps,
             padding_tokens=scheduler.batching.padding_tokens,
         )
+
+
+@dataclass
+class EngineReport:
+    """`AsyncLLMEngine.report()`: the engine's facts and counters, read where a replica needs them."""
+
+    stats: EngineStats
+    device: str
+    dtype: str
+    block_size: int
+    max_model_len: int
+    spec_decode: dict | None  # SpecDecodeStats as a dict; None without speculation
+    recent_prefix_hashes: list[int]
+    ranks: list = field(default_factory=list)  # tensor-parallel RankReports; empty on one rank

@@ -54,6 +54,10 @@ class KVHeader:
             if name != "num_tokens" and theirs != getattr(local, name):
                 raise KVTransferError(f"KV header mismatch on {name}: sender has {theirs}, receiver {getattr(local, name)}")
 
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return next(dtype for dtype, code in DTYPE_CODES.items() if code == self.dtype)
+
     def payload_shape(self) -> tuple[int, ...]:
         num_blocks = -(-self.num_tokens // self.block_size)
         return (self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

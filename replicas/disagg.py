@@ -29,7 +29,7 @@ class PrefillReplica(EngineReplica):
         from kvloom.replicas.kv_transfer import PairGroups
 
         await super().__init__(*args, **kwargs)
-        self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
+        self.pairs = PairGroups(self.replica_id, self.engine.device)
 
     async def prefill(self, message: SubmitRequest, target_replica: str | None = None) -> Chunk:
         """First token of a request; a `handoff` in the chunk means "decode the rest elsewhere"."""
@@ -44,7 +44,7 @@ class PrefillReplica(EngineReplica):
             last = output
         chunk = self.chunk(last)
         if req.park_kv and chunk.finish_reason == "length":
-            if self.engine.engine.handoffs.parked(last.request_id) is not None:
+            if await self.engine.run_on_engine(lambda engine: engine.handoffs.parked(last.request_id) is not None):
                 chunk.finish_reason = None
                 chunk.handoff = Handoff(self.replica_id, len(req.prompt_token_ids))
         elif req.park_kv:  # finished for real (EOS, stop): nothing to hand off
@@ -83,7 +83,7 @@ class DecodeReplica(EngineReplica):
         from kvloom.replicas.kv_transfer import PairGroups
 
         await super().__init__(*args, **kwargs)
-        self.pairs = PairGroups(self.replica_id, self.engine.engine.device)
+        self.pairs = PairGroups(self.replica_id, self.engine.device)
         self.kv_store = self.pairs.host_store()
 
     def stats(self) -> ReplicaStats:
@@ -93,18 +93,17 @@ class DecodeReplica(EngineReplica):
         from kvloom.engine.kv_handoff import KVHeader, KVTransferError
         from kvloom.replicas.kv_transfer import recv_header, recv_payload
 
-        engine = self.engine.engine
+        local = await self.engine.run_on_engine(lambda engine: KVHeader.for_engine(engine, prompt_len))
         if transfer["transport"] == "object_store":
             header = KVHeader(**transfer["header"])
-            header.check_matches(KVHeader.for_engine(engine, prompt_len))
+            header.check_matches(local)
             payload = await transfer["payload"][0]
         else:
             group = await self.pairs.group(transfer["prefill_replica"], self.replica_id, None)
             try:
-                header = await recv_header(group, transfer["tag"], engine.device)
-                header.check_matches(KVHeader.for_engine(engine, prompt_len))
-                payload = await recv_payload(group, transfer["tag"], header, engine.runner.kv_caches[0][0].dtype,
-                                             engine.device)
+                header = await recv_header(group, transfer["tag"], self.engine.device)
+                header.check_matches(local)
+                payload = await recv_payload(group, transfer["tag"], header, local.torch_dtype, self.engine.device)
             except Exception:
                 self.pairs.forget(transfer["prefill_replica"])
                 raise

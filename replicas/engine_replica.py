@@ -16,7 +16,6 @@ for as long as it serves.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -86,7 +85,7 @@ class EngineReplica:
             launch = ray_launch(self.config.device, **(rank_resources or {"num_cpus": 1, "num_gpus": 0}))
         self.engine = await asyncio.to_thread(AsyncLLMEngine, self.config, self.threads, launch)
         if launch:
-            self.threads = self.engine.engine.runner.num_threads
+            self.threads = self.engine.step_threads
         context = serve.get_replica_context()
         self.replica_id = context.replica_id.unique_id
         logger.info("kvloom replica %s: %d torch thread(s) of the %d CPU(s) it may use (%s)", self.replica_id,
@@ -110,7 +109,7 @@ class EngineReplica:
 
     def share_node(self, replicas_on_node: int) -> None:
         """Take an even share of the node's cores (a CPU replica whose config does not fix its threads)."""
-        if self.fixed_threads or self.engine.engine.device.type != "cpu":
+        if self.fixed_threads or self.engine.device.type != "cpu":
             return
         threads = share_of_node(self.cpus, replicas_on_node)
         if threads != self.threads:
@@ -120,29 +119,27 @@ class EngineReplica:
             self.engine.set_num_threads(threads)
 
     def stats(self) -> ReplicaStats:
-        engine = self.engine.engine
-        s = engine.stats()
+        report = self.engine.report(PREFIX_SUMMARY_SIZE)
+        s = report.stats
         return ReplicaStats(
-            replica_id=self.replica_id, role=self.role, node_id=self.node_id, device=str(engine.device),
-            dtype=str(engine.dtype).removeprefix("torch."), torch_threads=self.threads,
-            tensor_parallel_size=self.config.tensor_parallel_size,
-            ranks=[rank_summary(r) for r in getattr(engine.runner, "reports", [])],
-            max_num_seqs=self.config.max_num_seqs, block_size=engine.block_size, max_model_len=engine.max_model_len,
+            replica_id=self.replica_id, role=self.role, node_id=self.node_id, device=report.device,
+            dtype=report.dtype, torch_threads=self.threads, tensor_parallel_size=self.config.tensor_parallel_size,
+            ranks=[rank_summary(r) for r in report.ranks], max_num_seqs=self.config.max_num_seqs,
+            block_size=report.block_size, max_model_len=report.max_model_len,
             num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=s.num_blocks,
             num_free_blocks=s.num_free_blocks, kv_cache_usage=s.kv_cache_usage,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
             engine_step_seconds=s.step_seconds,
-            spec_decode=dataclasses.asdict(engine.spec_decode_stats) if engine.spec_decode_stats else None,
-            cached_prefix_hashes=engine.kv.pool.recent_hashes(PREFIX_SUMMARY_SIZE),
+            spec_decode=report.spec_decode, cached_prefix_hashes=report.recent_prefix_hashes,
             healthy=self.engine.dead_error is None, time=time.time(),
         )
 
     def make_request(self, message: SubmitRequest | dict) -> Request:
         """The engine's request for a router's message (a dict is validated as one first)."""
         message = SubmitRequest.model_validate(message)
-        req = self.engine.engine.make_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                              message.engine_priority)
+        req = self.engine.make_request(message.request_id, message.prompt_token_ids, message.sampling,
+                                       message.engine_priority)
         req.fork_of = message.fork_of
         return req
 

@@ -86,7 +86,7 @@ async def test_output_batches_carry_many_requests_a_step_at_a_time(async_engine)
     alone = {rid: (await collect(async_engine, p, params))[-1].outputs[0].token_ids for rid, p in prompts.items()}
     batches = OutputBatches(async_engine)
     for rid, prompt in prompts.items():
-        batches.add(async_engine.engine.make_request(rid, prompt, params))
+        batches.add(async_engine.make_request(rid, prompt, params))
     streamed: dict[str, list[int]] = {rid: [] for rid in prompts}
     pulls = 0
     while batches.live:
@@ -103,7 +103,7 @@ async def test_closing_output_batches_aborts_their_requests_and_frees_blocks(asy
     batches = OutputBatches(async_engine)
     params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
     for i in range(3):
-        batches.add(async_engine.engine.make_request(f"closed-{i}", list(range(3, 30)), params))
+        batches.add(async_engine.make_request(f"closed-{i}", list(range(3, 30)), params))
     await batches.next_batch()
     batches.close()
     await assert_everything_freed(async_engine)
@@ -114,8 +114,8 @@ async def test_a_request_the_engine_refuses_fails_alone_in_its_batch(async_engin
     the request beside it runs to its end."""
     batches = OutputBatches(async_engine)
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
-    batches.add(async_engine.engine.make_request("fine", [7, 8, 9], params))
-    refused = async_engine.engine.make_request("refused", [7, 8, 9], params)
+    batches.add(async_engine.make_request("fine", [7, 8, 9], params))
+    refused = async_engine.make_request("refused", [7, 8, 9], params)
     batches.add(refused, start=lambda engine: engine.add_continued(refused, [5, 6, 7], 0))
     outcomes = {}
     while batches.live:
@@ -130,9 +130,9 @@ async def test_an_id_still_streaming_is_refused_at_once_and_the_first_runs_on(as
     when its own batch closes, aborts it."""
     first, twins = OutputBatches(async_engine), OutputBatches(async_engine)
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    first.add(async_engine.engine.make_request("twice", [7, 8, 9], params))
+    first.add(async_engine.make_request("twice", [7, 8, 9], params))
     with pytest.raises(InvalidRequestError, match="request_id: 'twice' is already running"):
-        twins.add(async_engine.engine.make_request("twice", [7, 8, 9], params))
+        twins.add(async_engine.make_request("twice", [7, 8, 9], params))
     with pytest.raises(InvalidRequestError, match="already running"):
         await collect(async_engine, [7, 8, 9], params, request_id="twice")
     twins.close()
