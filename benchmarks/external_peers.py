@@ -90,16 +90,30 @@ def cpu_list(cpus: list[int]) -> str:
     return ",".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
-def vllm_env(settings: BenchSettings, cpus: list[int] | None = None) -> dict[str, str]:
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def vllm_preload() -> list[Path]:
+    """The libraries vLLM's CPU guide asks to preload, where they are: TCMalloc (a system package) and Intel
+    OpenMP (its wheel installs `libiomp5.so` into vLLM's environment)."""
+    return [lib for lib in (TCMALLOC, vllm_install().executable.parent.parent / "lib" / "libiomp5.so") if lib.is_file()]
+
+
+def vllm_env(settings: BenchSettings, cpus: list[int] | None = None,
+             preload: list[Path] | None = None) -> dict[str, str]:
     """vLLM's CPU build at its documented best on this host: the same KV budget as kvloom's (in GiB), its OpenMP
     threads bound to every CPU this process may use, and on small hosts none reserved for its front end (its
-    default binding keeps one back: half of a 2-core host), and passive OpenMP waits, with which it ran best on
-    the AMX host (W1 float32 203 out tok/s against 113 at its defaults; docs/performance.md)."""
+    default binding keeps one back: half of a 2-core host), the allocator and OpenMP runtime its guide preloads
+    (`vllm_preload()` by default), and passive OpenMP waits, with which it ran best on the AMX host (W1 float32
+    203 out tok/s against 113 at its defaults; docs/performance.md)."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
+    preload = vllm_preload() if preload is None else preload
     env = {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_memory_bytes / 2**30:g}",
            "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "OMP_WAIT_POLICY": "PASSIVE"}
     if len(cpus) <= SMALL_HOST_CPUS:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if preload:
+        env["LD_PRELOAD"] = ":".join(str(lib) for lib in preload)
     return env
 
 

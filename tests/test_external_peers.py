@@ -48,10 +48,12 @@ def test_vllm_serve_is_started_as_its_module_on_loopback():
 
 def test_vllm_runs_at_its_documented_best_with_the_same_kv_budget_in_gib():
     """Every usable CPU bound to its engine, none reserved for its front end on a small host (its default binding
-    would keep one of two back), passive OpenMP waits."""
-    assert peers.vllm_env(SETTINGS, cpus=[0, 1]) == {
+    would keep one of two back), passive OpenMP waits, and the libraries its guide preloads where they exist."""
+    assert peers.vllm_env(SETTINGS, cpus=[0, 1], preload=[]) == {
         "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "OMP_WAIT_POLICY": "PASSIVE"}
+    preloaded = peers.vllm_env(SETTINGS, cpus=[0, 1], preload=[Path("/lib/tcmalloc.so"), Path("/venv/lib/libiomp5.so")])
+    assert preloaded["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/lib/libiomp5.so"
     assert peers.vllm_env(BenchSettings(kv_cache_memory_bytes=3 << 29), cpus=[0])["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
     big = peers.vllm_env(SETTINGS, cpus=[*range(8), 10, 12, 13])
     assert big["VLLM_CPU_OMP_THREADS_BIND"] == "0-7,10,12-13" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in big
