@@ -20,6 +20,7 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import ENGINE_THREAD_NAME, name_os_thread, schedule_normally
 from kvloom.engine.errors import EngineDeadError, InvalidRequestError
 from kvloom.engine.engine_stats import EngineReport, EngineStats
+from kvloom.engine.kv_handoff import KVHeader
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
@@ -270,6 +271,15 @@ class AsyncLLMEngine:
     @property
     def device(self):
         return self.engine.device
+
+    def is_parked(self, request_id: str) -> bool:
+        """Whether a finished prefill's KV waits for its hand-off (read as it stands: the engine parks a request
+        before its last output is delivered)."""
+        return self.engine.handoffs.parked(request_id) is not None
+
+    def kv_header(self, num_tokens: int) -> KVHeader:
+        """What this engine's KV for `num_tokens` tokens looks like (its facts never change after loading)."""
+        return KVHeader.for_engine(self.engine, num_tokens)
 
     @property
     def step_threads(self) -> int | None:

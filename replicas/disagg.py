@@ -44,7 +44,7 @@ class PrefillReplica(EngineReplica):
             last = output
         chunk = self.chunk(last)
         if req.park_kv and chunk.finish_reason == "length":
-            if await self.engine.run_on_engine(lambda engine: engine.handoffs.parked(last.request_id) is not None):
+            if self.engine.is_parked(last.request_id):
                 chunk.finish_reason = None
                 chunk.handoff = Handoff(self.replica_id, len(req.prompt_token_ids))
         elif req.park_kv:  # finished for real (EOS, stop): nothing to hand off
@@ -93,7 +93,7 @@ class DecodeReplica(EngineReplica):
         from kvloom.engine.kv_handoff import KVHeader, KVTransferError
         from kvloom.replicas.kv_transfer import recv_header, recv_payload
 
-        local = await self.engine.run_on_engine(lambda engine: KVHeader.for_engine(engine, prompt_len))
+        local = self.engine.kv_header(prompt_len)
         if transfer["transport"] == "object_store":
             header = KVHeader(**transfer["header"])
             header.check_matches(local)
