@@ -111,11 +111,16 @@ def streams(base: str, key: str, count: int, max_tokens: int = LONG, **extra) ->
             for e in events], events
 
 
-async def first_tokens(events: list[asyncio.Event], count: int) -> None:
+async def first_tokens(events: list[asyncio.Event], count: int, timeout_s: float = 60) -> None:
     """Until `count` of the streams have their first token (the rest: queued behind them)."""
-    while sum(e.is_set() for e in events) < count:
-        await asyncio.wait([asyncio.create_task(e.wait()) for e in events if not e.is_set()],
-                           return_when=asyncio.FIRST_COMPLETED, timeout=60)
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        async with asyncio.timeout(timeout_s):
+            while sum(e.is_set() for e in events) < count:
+                await asyncio.wait([w for w in waits if not w.done()], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 async def complete(base: str, key: str | None, max_tokens: int = 4, **extra) -> Result:
