@@ -7,6 +7,7 @@ saved run without running anything again.
 import multiprocessing
 import os
 import platform
+import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
@@ -91,11 +92,24 @@ def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
     return report
 
 
+def source_commit() -> str:
+    """The kvloom commit a report was made from (`-dirty` with uncommitted changes), or `unknown` outside git."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return f"{head}-dirty" if dirty else head
+
+
 def environment(settings: BenchSettings) -> dict:
     import torch
     import transformers
 
-    return {"host": platform.node(), "cpu": host_isa().describe(),
+    return {"host": platform.node(), "commit": source_commit(), "cpu": host_isa().describe(),
             "cpus": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": settings.threads, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"),

@@ -285,7 +285,7 @@ def roofline_section(machine: dict, run: dict, system: str) -> str:
 
 def environment_lines(env: dict) -> str:
     s = env["settings"]
-    return (f"Machine `{env['host']}`: {env.get('cpu', '?')}, {env['cpus']} CPUs, torch {env['torch']}, "
+    return (f"kvloom `{env.get('commit', 'unknown')}` on machine `{env['host']}`: {env.get('cpu', '?')}, {env['cpus']} CPUs, torch {env['torch']}, "
             f"transformers {env['transformers']}; kvloom dtype auto = {env.get('auto_dtype', 'float32')} here; "
             f"torch threads {env['threads']} for every system, OMP_WAIT_POLICY={env['omp_wait_policy']}, "
             f"GOMP_SPINCOUNT={env.get('gomp_spincount', 'default')}. "

@@ -2,7 +2,8 @@
 
 A freed block keeps its hash and contents, so a later request with the same prefix can take it
 back (a prefix-cache hit) until the block is handed out again; the free list is LRU-ordered so
-the least recently used cached blocks are evicted first.
+the least recently used cached blocks are evicted first. Blocks come into being on first use, so a pool
+of millions of blocks (a small model on a large budget) costs nothing until it fills.
 """
 
 import hashlib
@@ -43,36 +44,41 @@ def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
 @dataclass
 class BlockPool:
     num_blocks: int
-    blocks: list[KVBlock] = field(init=False)
-    free: "OrderedDict[int, KVBlock]" = field(init=False)  # LRU first
+    blocks: list[KVBlock] = field(init=False)  # every block handed out so far, by id; the rest never were
+    free: "OrderedDict[int, KVBlock]" = field(init=False)  # released blocks, LRU first
     cached: dict[int, KVBlock] = field(init=False)  # hash -> block
     peak_num_used: int = 0
     num_evictions: int = 0
 
     def __post_init__(self) -> None:
-        self.blocks = [KVBlock(i) for i in range(self.num_blocks)]
-        self.free = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks = []
+        self.free = OrderedDict()
         self.cached = {}
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + self.num_blocks - len(self.blocks)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - self.num_free
 
     @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
 
     def allocate(self, count: int) -> list[KVBlock]:
-        """Hand out `count` fresh blocks, evicting the least recently used cached ones."""
-        if count > len(self.free):
-            raise RuntimeError(f"asked for {count} blocks, {len(self.free)} free")
+        """Hand out `count` fresh blocks: never-used ones first, then released ones, evicting the least recently
+        used cached ones."""
+        if count > self.num_free:
+            raise RuntimeError(f"asked for {count} blocks, {self.num_free} free")
         taken = []
         for _ in range(count):
-            _, block = self.free.popitem(last=False)
+            if len(self.blocks) < self.num_blocks:
+                block = KVBlock(len(self.blocks))
+                self.blocks.append(block)
+            else:
+                _, block = self.free.popitem(last=False)
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
                 block.block_hash, block.token_ids = None, ()

@@ -1,6 +1,8 @@
 """Benchmark lab: metrics from known timestamps, seeded workloads, replay on a tiny model, reports."""
 
 import json
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -211,16 +213,27 @@ def test_report_renders_tables_and_plots(tmp_path):
                      "output_tokens": 5, "results": results,
                      "equality": {"static": {"reference": "continuous", "compared": 2, "equal": 1,
                                              "mismatches": [{"id": "b", "first_diff": 1, "length": 2}]}}})
-    env = {"host": "h", "cpus": 2, "torch": "t", "transformers": "x", "threads": 2, "omp_wait_policy": "PASSIVE",
-           "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30,
+    env = {"host": "h", "commit": "0123456789ab", "cpus": 2, "torch": "t", "transformers": "x", "threads": 2,
+           "omp_wait_policy": "PASSIVE", "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30,
                         "enable_prefix_caching": True, "timeout_s": 600, "hf_cb_attention": "sdpa"}}
     md = write_bench_report({"title": "chat", "environment": env, "runs": runs, "roofline_system": "continuous"},
                             tmp_path).read_text()
+    assert "kvloom `0123456789ab` on machine `h`" in md
     assert "| continuous | ok | 2 |" in md and "1 of 2 outputs differ" in md and "b at token 1/2" in md
     assert {p.name for p in tmp_path.glob("*.png")} == {
         "bench-0-throughput.png", "bench-0-latency.png", "bench-1-throughput.png", "bench-1-latency.png",
         "bench-rates.png"}
     assert json.loads((tmp_path / "bench.json").read_text())["title"] == "chat"
+
+
+def test_a_report_names_the_commit_it_was_made_from():
+    from kvloom.benchmarks.bench import source_commit
+
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)
+    if head.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert source_commit().removesuffix("-dirty") == head.stdout.strip()
 
 
 # ---- roofline -----------------------------------------------------------------------------------

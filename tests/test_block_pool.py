@@ -66,6 +66,11 @@ class TestAllocationAndRefCounts:
         assert all(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
         assert pool.cached == {} and pool.peak_num_used == 0 and pool.num_evictions == 0
 
+    def test_a_pool_of_a_billion_blocks_is_made_at_once_and_hands_out_ids_from_zero(self):
+        pool = BlockPool(10**9)
+        assert pool.num_free == 10**9 and pool.blocks == []
+        assert [b.block_id for b in pool.allocate(3)] == [0, 1, 2] and pool.num_free == 10**9 - 3
+
     def test_allocated_blocks_are_distinct_with_one_reference_each(self):
         pool = BlockPool(5)
         blocks = pool.allocate(3)
