@@ -109,7 +109,6 @@ def _run_peer(spec: SystemSpec, workload: Workload, settings: BenchSettings, on_
 
 def _child(spec: SystemSpec, workload_path: str, settings: BenchSettings, out_dir: str) -> None:
     """Entry point of the per-system process: results go to files in `out_dir`."""
-    import torch
     from tqdm import tqdm
 
     from kvloom.kernels.item_pool import set_intra_op_threads

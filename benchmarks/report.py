@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from kvloom.benchmarks.metrics import acceptance
-from kvloom.benchmarks.run_results import cpu_efficiency, latency_cell, metric, system_result
+from kvloom.benchmarks.run_results import cpu_efficiency, latency_cell, metric
 from kvloom.benchmarks.serving_cpu import serving_cpu_line
 
 LATENCIES = ("ttft", "tpot", "e2e")

@@ -259,7 +259,7 @@ def copy_heavy(corpus: TokenCorpus, rng: np.random.Generator, num_requests: int 
             rows = [f"{j + 1}. name: {_WORDS[w]}, city: {cities[int(rng.integers(4))]}, year: {int(rng.integers(1900, 2030))}"
                     for j, w in enumerate(rng.integers(len(_WORDS), size=int(rng.integers(*passage_words)) // 8))]
             answer = "\n".join(r for r in rows if "city: river" in r)
-            prompt = f"Copy the records whose city is river, unchanged.\n\nRecords:\n" + "\n".join(rows) + "\n\nRecords in river:\n"
+            prompt = "Copy the records whose city is river, unchanged.\n\nRecords:\n" + "\n".join(rows) + "\n\nRecords in river:\n"
         else:
             code = _synthetic_code(rng, int(rng.integers(2, 5)))
             old = code.split("(")[1].split(",")[0]

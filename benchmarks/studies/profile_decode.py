@@ -11,7 +11,6 @@ import statistics
 import time
 
 import numpy as np
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 from kvloom.engine.llm_engine import LLMEngine
