@@ -111,6 +111,38 @@ def smollm2_dir() -> Path:
     return resolve_model_dir("smollm2")
 
 
+def keep_layers(model_dir: Path, path: Path, layers: list[int]) -> Path:
+    """A checkpoint of `model_dir` with only the decoder layers `layers` (renumbered from 0): the same
+    vocabulary, tokenizer, embedding and attention shapes, a fraction of the compute."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    kept = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        if not name.startswith("model.layers."):
+            kept[name] = tensor
+        elif (layer := int(name.split(".")[2])) in layers:
+            kept[name.replace(f"model.layers.{layer}.", f"model.layers.{layers.index(layer)}.", 1)] = tensor
+    save_file(kept, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": len(layers)}))
+    for file in model_dir.iterdir():
+        if file.name not in ("model.safetensors", "config.json"):
+            shutil.copy(file, path / file.name)
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_4_layers_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """SmolLM2 cut to its first two and last two layers, for tests that compare kvloom with itself (speculation
+    with and without, tensor parallelism against one rank): its real tokenizer and KV shapes, diverse (if
+    meaningless) text, about a third of the compute of all 30 layers."""
+    return keep_layers(smollm2_dir, tmp_path_factory.mktemp("smollm2-4-layers"), [0, 1, 28, 29])
+
+
 SYSTEM = (
     "You are a careful assistant for a team of engineers. Answer precisely, prefer short "
     "sentences, show small examples when they help, and say when you are unsure."

@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU over gloo: how a model splits, that each rank loads and holds only its share, and
-that SmolLM2 split over 2 ranks (uneven: two GQA groups and one) and 3 ranks (one group each) generates what one
-rank does, under chunked prefill, preemption and prefix-cache hits.
+that SmolLM2 (cut to four of its layers: its shapes and tokenizer at a third of the compute) split over 2 ranks
+(uneven: two GQA groups and one) and 3 ranks (one group each) generates what one rank does, under chunked
+prefill, preemption and prefix-cache hits.
 
 Reduction order differs from one rank's GEMMs, so a greedy near-tie may flip: a divergence is accepted only where
 the single-rank run's top two candidates are within NEAR_TIE nats, and no more than one per run (measured here:
@@ -100,17 +101,17 @@ def test_tensor_parallelism_refuses_what_it_cannot_shard(knobs, field):
         EngineConfig(tensor_parallel_size=2, **knobs)
 
 
-# ---- SmolLM2 on 1, 2 and 3 ranks -----------------------------------------------------------------------------
-def per_rank_budget(smollm2_dir, ranks: int) -> int:
-    config = ModelConfig.from_dir(smollm2_dir)
+# ---- SmolLM2 (four of its layers) on 1, 2 and 3 ranks -----------------------------------------------------------------------------
+def per_rank_budget(model_dir, ranks: int) -> int:
+    config = ModelConfig.from_dir(model_dir)
     widest = max(s.local_config(config).kv_bytes_per_token(torch.float32) for s in plan_shards(config, ranks))
     return BLOCKS * 16 * widest
 
 
-def make_engine(smollm2_dir, ranks: int, **knobs) -> LLMEngine:
-    return LLMEngine(**{"dtype": "float32", "model": str(smollm2_dir), "max_model_len": 704,
+def make_engine(model_dir, ranks: int, **knobs) -> LLMEngine:
+    return LLMEngine(**{"dtype": "float32", "model": str(model_dir), "max_model_len": 704,
                         "max_num_batched_tokens": 128, "max_num_seqs": 16, "tensor_parallel_size": ranks,
-                        "kv_cache_memory_bytes": per_rank_budget(smollm2_dir, ranks), "distributed_timeout_s": 20,
+                        "kv_cache_memory_bytes": per_rank_budget(model_dir, ranks), "distributed_timeout_s": 20,
                         **knobs})
 
 
@@ -127,14 +128,14 @@ def run(engine, prompts, drive):
 
 
 @pytest.fixture(scope="module")
-def single_rank(smollm2_dir, prompts, drive):
-    engine = make_engine(smollm2_dir, 1)
+def single_rank(smollm2_4_layers_dir, prompts, drive):
+    engine = make_engine(smollm2_4_layers_dir, 1)
     return run(engine, prompts, drive) + (engine.decoder.weight_bytes(),)
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["tp2", "tp3"])
-def sharded(request, smollm2_dir, prompts, drive):
-    engine = make_engine(smollm2_dir, request.param)
+def sharded(request, smollm2_4_layers_dir, prompts, drive):
+    engine = make_engine(smollm2_4_layers_dir, request.param)
     yield request.param, engine, *run(engine, prompts, drive)
     engine.shutdown()
 
@@ -163,16 +164,15 @@ def test_greedy_outputs_equal_one_rank_under_chunking_preemption_and_prefix_hits
     assert all(len(o.token_ids) == MAX_NEW for o in outputs)
 
 
-def test_each_rank_holds_its_share_of_the_weights_and_only_its_kv_heads(single_rank, sharded, smollm2_dir):
+def test_each_rank_holds_its_share_of_the_weights_and_only_its_kv_heads(single_rank, sharded, smollm2_4_layers_dir):
     whole = single_rank[2]
     ranks, engine, *_ = sharded
     reports = engine.runner.reports
     assert len(reports) == ranks
     shares = [r.weight_bytes / whole for r in reports]
     # the norms (0.03% of the model) are on every rank; the rest splits: TP=3 evenly; TP=2 two thirds of the
-    # attention weights on rank 0 (6 of 9 query heads, 2 of 3 KV heads) and half of everything else (0.533 / 0.467
-    # where the head shares the embedding table, 0.527 / 0.473 where it is a packed copy)
-    config = ModelConfig.from_dir(smollm2_dir)
+    # attention weights on rank 0 (6 of 9 query heads, 2 of 3 KV heads) and half of everything else
+    config = ModelConfig.from_dir(smollm2_4_layers_dir)
     heads, kv_heads, hidden = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
     attention = 4 * config.num_hidden_layers * hidden * config.head_dim * 2 * (heads + kv_heads)  # float32 bytes
     rank0_of_two = (attention * 2 / 3 + (whole - attention) / 2) / whole
@@ -196,8 +196,8 @@ def test_an_abort_mid_step_frees_every_rank_s_blocks(sharded, prompts):
     assert engine.stats().num_free_blocks == engine.num_blocks  # one pool on rank 0 stands for every rank's
 
 
-def test_a_dead_worker_fails_the_next_step_naming_its_rank(smollm2_dir, prompts):
-    engine = make_engine(smollm2_dir, 2, distributed_timeout_s=5)
+def test_a_dead_worker_fails_the_next_step_naming_its_rank(smollm2_4_layers_dir, prompts):
+    engine = make_engine(smollm2_4_layers_dir, 2, distributed_timeout_s=5)
     worker = engine.runner.workers.processes[0]
     os.kill(worker.pid, signal.SIGKILL)
     worker.join(timeout=10)
