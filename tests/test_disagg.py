@@ -1,4 +1,6 @@
-"""Disaggregated prefill/decode on a real local Ray cluster, over real HTTP, with both transports."""
+"""Disaggregated prefill/decode on a real local Ray cluster, over real HTTP, with both transports: what it
+serves equals what one colocated engine generates, on SmolLM2 cut to four layers (its tokenizer and its three KV
+heads, a third of the compute)."""
 
 import time
 
@@ -15,6 +17,7 @@ pytestmark = pytest.mark.slow
 # float32: the stream and plain requests take different paths (a prefix-cache hit computes the last prompt
 # token with the decode kernel, a cold prefill with SDPA); in bfloat16 their roundings may part greedy outputs
 ENGINE = {"kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024, "max_num_seqs": 8, "dtype": "float32"}
+MODEL = "smollm2-4-layers"
 PROMPTS = [
     "Hi",
     "The three most useful kitchen tools are",
@@ -23,14 +26,19 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def offline() -> LLMEngine:
-    return LLMEngine(model="smollm2", **ENGINE)
+def engine(smollm2_4_layers_dir) -> dict:
+    return {**ENGINE, "model": str(smollm2_4_layers_dir)}
+
+
+@pytest.fixture(scope="module")
+def offline(engine) -> LLMEngine:
+    return LLMEngine(**engine)
 
 
 @pytest.fixture(scope="module", params=["torch_distributed", "object_store"])
-def disagg(request, ray_serve, deploy_app):
+def disagg(request, ray_serve, deploy_app, engine):
     config = ClusterConfig.model_validate({
-        "engine": ENGINE, "resources": {"torch_threads": 1},
+        "engine": engine, "served_model_name": MODEL, "resources": {"torch_threads": 1},
         "disaggregation": {"enabled": True, "prefill_replicas": 1, "decode_replicas": 1,
                            "transport": request.param}})
     router = deploy_app(config)
@@ -64,10 +72,10 @@ def test_outputs_match_colocated_engine(disagg, offline):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120, max_retries=0)
     for prompt in PROMPTS:
         want = expected(offline, prompt, 20)
-        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=20, temperature=0)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
         assert got.choices[0].text == want.text
         assert got.usage.completion_tokens == len(want.token_ids)
-        stream = client.completions.create(model="smollm2", prompt=prompt, max_tokens=20, temperature=0, stream=True)
+        stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)
         assert "".join(c.choices[0].text for c in stream) == want.text
     stats = wait_until_idle(router, 5)
     assert stats["decode"]["prefix_cache_queries"] > 0 and stats["prefill"]["prefix_cache_queries"] > 0
@@ -77,14 +85,14 @@ def test_single_token_requests_never_reach_decode(disagg, offline):
     base, router = disagg
     before = by_role(router)["decode"]["dispatched"]
     response = httpx.post(f"{base}/v1/completions", timeout=60,
-                          json={"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0})
+                          json={"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 1, "temperature": 0})
     assert response.json()["choices"][0]["text"] == expected(offline, PROMPTS[1], 1).text
     assert by_role(router)["decode"]["dispatched"] == before
 
 
 def test_disconnect_after_first_token_frees_both_sides(disagg):
     base, router = disagg
-    body = {"model": "smollm2", "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
         events = 0
         for line in response.iter_lines():
@@ -96,7 +104,7 @@ def test_disconnect_after_first_token_frees_both_sides(disagg):
 
 def test_killed_decode_replica_ends_request_clearly_and_frees_prefill(disagg):
     base, router = disagg
-    body = {"model": "smollm2", "prompt": PROMPTS[1], "max_tokens": 600, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 600, "ignore_eos": True, "stream": True}
     events = []
     with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as response:
         for line in response.iter_lines():
@@ -120,7 +128,7 @@ def wait_for_replacement(router, role: str, dead_id: str) -> None:
 
 def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disagg):
     base, router = disagg
-    body = {"model": "smollm2", "prompt": PROMPTS[2] * 4, "max_tokens": 8, "temperature": 0}
+    body = {"model": MODEL, "prompt": PROMPTS[2] * 4, "max_tokens": 8, "temperature": 0}
     with httpx.Client(timeout=180) as client:
         import threading
 
@@ -139,15 +147,15 @@ def test_killed_prefill_replica_is_retried_or_ends_clearly_and_frees_decode(disa
     wait_until_idle(router, 10)
 
 
-def test_a_two_rank_prefill_hands_every_kv_head_to_a_one_rank_decode(ray_serve, deploy_app, offline):
+def test_a_two_rank_prefill_hands_every_kv_head_to_a_one_rank_decode(ray_serve, deploy_app, engine, offline):
     """The prefill replica's KV heads live on two ranks (2 and 1 of SmolLM2's 3); the hand-off gathers them."""
     config = ClusterConfig.model_validate({
-        "engine": ENGINE, "resources": {"torch_threads": 1},
+        "engine": engine, "served_model_name": MODEL, "resources": {"torch_threads": 1},
         "disaggregation": {"enabled": True, "transport": "torch_distributed", "prefill_tensor_parallel_size": 2}})
     router = deploy_app(config)
     client = openai.OpenAI(base_url=f"{ray_serve}/v1", api_key="unused", timeout=120, max_retries=0)
     for prompt in PROMPTS[1:]:
-        got = client.completions.create(model="smollm2", prompt=prompt, max_tokens=12, temperature=0)
+        got = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
         assert got.choices[0].text == expected(offline, prompt, 12).text
     stats = wait_until_idle(router, 10)
     assert (stats["prefill"]["tensor_parallel_size"], stats["decode"]["tensor_parallel_size"]) == (2, 1)
