@@ -1,7 +1,8 @@
 """`kvloom serve` with a tensor-parallel replica (2 ranks on gloo, in one placement group on the local Ray
 cluster): it streams what the offline engine generates, `kvloom status` shows the replica's ranks and where they
 run, and killing a rank's process mid-stream kills the replica's engine: Serve replaces the replica and the router
-continues the stream on the replacement. Real processes, real HTTP."""
+continues the stream on the replacement. Real processes, real HTTP; SmolLM2 cut to four layers (its three KV heads
+split two and one, a third of the compute)."""
 
 import os
 import re
@@ -21,10 +22,12 @@ from kvloom.engine.sampling import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+MODEL = "smollm2-4-layers"
 CONFIG = """
 name: kvloom
+served_model_name: smollm2-4-layers
 engine:
-  model: smollm2
+  model: {model}
   dtype: float32
   kv_cache_memory_bytes: 67108864
   max_model_len: 1024
@@ -40,9 +43,10 @@ PROMPT = "The three primary colors are"
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, serve_process):
+def served(tmp_path_factory, serve_process, smollm2_4_layers_dir):
     port = free_port()
-    process, log = serve_process(tmp_path_factory.mktemp("serve-tp"), CONFIG.format(port=port))
+    process, log = serve_process(tmp_path_factory.mktemp("serve-tp"),
+                                 CONFIG.format(port=port, model=smollm2_4_layers_dir))
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
 
     def ready() -> bool:
@@ -82,16 +86,16 @@ def rank_workers(serve: subprocess.Popen) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def offline_text():
+def offline_text(smollm2_4_layers_dir):
     """What one rank generates for PROMPT, greedy, with `ignore_eos`: max_tokens -> text."""
-    llm = LLM(dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
+    llm = LLM(str(smollm2_4_layers_dir), dtype="float32", max_model_len=1024, kv_cache_memory_bytes=64 << 20)
     return lambda max_tokens: llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0,
                                                                     ignore_eos=True))[0].outputs[0].text
 
 
 def test_a_streamed_completion_equals_the_offline_engine(served, offline_text):
     client, log, _ = served
-    stream = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
     assert "".join(c.choices[0].text for c in stream if c.choices) == offline_text(24)
     assert "on each of 2 tensor-parallel ranks" in log.read_text()
@@ -116,7 +120,7 @@ def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_bac
 
     def long_stream():
         try:
-            for chunk in client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=64, stream=True,
+            for chunk in client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, stream=True,
                                                    temperature=0, extra_body={"ignore_eos": True}):
                 if chunk.choices:
                     got["chunks"].append(chunk.choices[0])
@@ -135,6 +139,6 @@ def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_bac
     assert "error" not in got and got["finish"] == "length", got.get("error")
     assert "".join(c.text for c in got["chunks"]) == offline_text(64)
     assert wait_for(lambda: [w.pid for w in rank_workers(process)] not in ([], [workers[0].pid]), 240, period_s=1)
-    again = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=8, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
     assert again.usage.completion_tokens == 8
     assert "1 replica(s)" in status(log)
