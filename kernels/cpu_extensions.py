@@ -6,8 +6,7 @@ minute). Builds live under ~/.cache/torch_extensions in a folder per Python, tor
 instruction set and hash of the sources' content, and build from a copy of the source inside that
 folder: two checkouts of the same code on one machine (a CI clone beside a working tree) share one
 build instead of rebuilding each other's (torch's loader keys a build by the source's path too).
-Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions`, which compiles them side by side, one
-process a core, so replicas only load. Builders
+Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions`, so replicas only load. Builders
 serialize on an flock, which dies with its holder: a process killed mid-build leaves no lock that
 the next one waits on, and a waiting or compiling replica says so in its log.
 """
@@ -79,14 +78,7 @@ def build_extension(name: str):
     return torch.ops.kvloom
 
 
-def _builds(name: str) -> bool:
-    return build_extension(name) is not None
-
-
 if __name__ == "__main__":
-    from concurrent.futures import ProcessPoolExecutor
-
     logging.basicConfig(level=logging.INFO)
-    with ProcessPoolExecutor(max_workers=min(len(SOURCES), os.cpu_count() or 1)) as builders:
-        for extension, ready in zip(SOURCES, builders.map(_builds, SOURCES)):
-            print(extension, "ready" if ready else "unavailable (torch fallback)")
+    for extension in SOURCES:
+        print(extension, "ready" if build_extension(extension) is not None else "unavailable (torch fallback)")
