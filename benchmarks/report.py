@@ -285,8 +285,9 @@ def roofline_section(machine: dict, run: dict, system: str) -> str:
 
 def environment_lines(env: dict) -> str:
     s = env["settings"]
-    return (f"kvloom `{env.get('commit', 'unknown')}` on machine `{env['host']}`: {env.get('cpu', '?')}, {env['cpus']} CPUs, torch {env['torch']}, "
-            f"transformers {env['transformers']}; kvloom dtype auto = {env.get('auto_dtype', 'float32')} here; "
+    return (f"kvloom `{env.get('commit', 'unknown')}` on machine `{env['host']}`: {env.get('cpu', '?')}, "
+            f"{env['cpus']} CPUs, torch {env['torch']}, transformers {env['transformers']}; "
+            f"kvloom dtype auto = {env.get('auto_dtype', 'float32')} here; "
             f"torch threads {env['threads']} for every system, OMP_WAIT_POLICY={env['omp_wait_policy']}, "
             f"GOMP_SPINCOUNT={env.get('gomp_spincount', 'default')}. "
             f"Shared settings: max_num_seqs={s['max_num_seqs']}, max_num_batched_tokens={s['max_num_batched_tokens']}, "

@@ -214,7 +214,8 @@ def test_report_renders_tables_and_plots(tmp_path):
                      "equality": {"static": {"reference": "continuous", "compared": 2, "equal": 1,
                                              "mismatches": [{"id": "b", "first_diff": 1, "length": 2}]}}})
     env = {"host": "h", "commit": "0123456789ab", "cpus": 2, "torch": "t", "transformers": "x", "threads": 2,
-           "omp_wait_policy": "PASSIVE", "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30,
+           "omp_wait_policy": "PASSIVE",
+           "settings": {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "kv_cache_memory_bytes": 2 << 30,
                         "enable_prefix_caching": True, "timeout_s": 600, "hf_cb_attention": "sdpa"}}
     md = write_bench_report({"title": "chat", "environment": env, "runs": runs, "roofline_system": "continuous"},
                             tmp_path).read_text()

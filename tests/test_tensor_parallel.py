@@ -101,7 +101,7 @@ def test_tensor_parallelism_refuses_what_it_cannot_shard(knobs, field):
         EngineConfig(tensor_parallel_size=2, **knobs)
 
 
-# ---- SmolLM2 (four of its layers) on 1, 2 and 3 ranks -----------------------------------------------------------------------------
+# ---- SmolLM2 (four of its layers) on 1, 2 and 3 ranks --------------------------------------------------------
 def per_rank_budget(model_dir, ranks: int) -> int:
     config = ModelConfig.from_dir(model_dir)
     widest = max(s.local_config(config).kv_bytes_per_token(torch.float32) for s in plan_shards(config, ranks))
