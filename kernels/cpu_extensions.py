@@ -6,9 +6,10 @@ minute). Builds live under ~/.cache/torch_extensions in a folder per Python, tor
 instruction set and hash of the sources' content, and build from a copy of the source inside that
 folder: two checkouts of the same code on one machine (a CI clone beside a working tree) share one
 build instead of rebuilding each other's (torch's loader keys a build by the source's path too).
-Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions`, so replicas only load. Builders
-serialize on an flock, which dies with its holder: a process killed mid-build leaves no lock that
-the next one waits on, and a waiting or compiling replica says so in its log.
+Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions` (`... <name>` builds one), which builds
+them side by side, so replicas only load. Builders serialize on an flock, which dies with its holder: a
+process killed mid-build leaves no lock that the next one waits on, and a waiting or compiling replica says so
+in its log.
 """
 
 import fcntl
@@ -17,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -78,7 +80,21 @@ def build_extension(name: str):
     return torch.ops.kvloom
 
 
+def build_side_by_side(names: list[str]) -> None:
+    """Builds each kernel in a process of its own, as many at once as the machine has cores: each is one
+    translation unit, which compiles on one core, and one process can load each ops library only once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def build(name: str) -> None:
+        subprocess.run([sys.executable, "-m", "kvloom.kernels.cpu_extensions", name], check=False)
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as builders:
+        list(builders.map(build, names))
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)
-    for extension in SOURCES:
-        print(extension, "ready" if build_extension(extension) is not None else "unavailable (torch fallback)")
+    if len(sys.argv) == 2:
+        print(sys.argv[1], "ready" if build_extension(sys.argv[1]) is not None else "unavailable (torch fallback)")
+    else:
+        build_side_by_side(list(SOURCES))

@@ -24,8 +24,9 @@ def test_the_build_folder_follows_the_sources_content_not_their_path(tmp_path, m
 
 
 def build_in_a_fresh_process(**kwargs) -> subprocess.Popen:
-    """The set-up step's build; in its own process, since loading the ops library twice into one aborts."""
-    return subprocess.Popen([sys.executable, "-m", "kvloom.kernels.cpu_extensions"], stdout=subprocess.PIPE,
+    """The set-up step's build of one kernel; in its own process, since loading the ops library twice into one
+    aborts."""
+    return subprocess.Popen([sys.executable, "-m", "kvloom.kernels.cpu_extensions", NAME], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
