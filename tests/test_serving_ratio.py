@@ -59,10 +59,10 @@ def test_the_driver_finds_the_cluster_in_what_kvloom_serve_prints():
 
 @pytest.mark.slow
 def test_straight_to_the_replica_every_request_gets_its_greedy_tokens_each_timed(
-        ray_serve, deploy_app, smollm2_dir, smollm2_prompts, greedy_reference):
+        ray_serve, deploy_app, smollm2_4_layers_dir, smollm2_prompts, greedy_reference):
     """The driver makes the router's calls itself (submit, one output channel): the float32 replica's greedy
     tokens are transformers', every token has the time its step's message arrived, and the run's wall time
-    runs from the first arrival to the last finish."""
+    runs from the first arrival to the last finish. (SmolLM2 cut to four layers: the driver is under test.)"""
     from ray import serve
 
     from kvloom.cluster.app import REPLICA_NAME
@@ -70,7 +70,7 @@ def test_straight_to_the_replica_every_request_gets_its_greedy_tokens_each_timed
 
     config = ClusterConfig.model_validate({
         "resources": {"num_cpus": 1, "torch_threads": 1},
-        "engine": {"model": "smollm2", "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
+        "engine": {"model": str(smollm2_4_layers_dir), "dtype": "float32", "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024,
                    "max_num_seqs": 8}})
     prompts = smollm2_prompts[-4:]
     deploy_app(config)  # the app every deploying test replaces: one app serves the route prefix "/"
@@ -81,7 +81,7 @@ def test_straight_to_the_replica_every_request_gets_its_greedy_tokens_each_timed
                                                    timeout_s=120))
     finally:
         serve.delete(config.name)
-    reference = [tokens[: 5 + i] for i, tokens in enumerate(greedy_reference(smollm2_dir, prompts, 8))]
+    reference = [tokens[: 5 + i] for i, tokens in enumerate(greedy_reference(smollm2_4_layers_dir, prompts, 8))]
     assert [r.output_token_ids for r in records] == reference
     for record in records:
         assert len(record.token_times) == len(record.output_token_ids)
