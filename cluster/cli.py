@@ -103,8 +103,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvloom.cluster.config import ClusterConfigError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ClusterConfigError as exc:  # it names the file and the key: one line, no traceback
+        print(f"kvloom {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

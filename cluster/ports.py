@@ -1,4 +1,5 @@
-"""Free loopback ports, for a server that needs one no one else holds (tests, benchmarks).
+"""Free loopback ports, for a server that needs one no one else holds (tests, benchmarks), and whether a
+server's own port is taken.
 
 A port that bind(0) hands out comes from the kernel's ephemeral range, the same range that every later
 bind(0) and every outgoing connection draws from: between the pick and the server's own bind, the Ray
@@ -8,6 +9,7 @@ direct-ingress port was in use). So ports come from between Ray's worker ports (
 and the ephemeral range, where nothing is handed out unasked.
 """
 
+import errno
 import random
 import socket
 from pathlib import Path
@@ -42,3 +44,16 @@ def free_port() -> int:
     with socket.socket() as sock:  # no quiet range on this host: the kernel's pick
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def listened_on(host: str, port: int) -> bool:
+    """Whether another socket listens on `port`: a bind with SO_REUSEADDR, as the router's server makes (see
+    router/reusable_port.py), fails only then, not for the TIME_WAIT connections a stopped server leaves."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False

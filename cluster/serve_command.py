@@ -15,9 +15,11 @@ import time
 
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
 from kvloom.cluster.logs import JSONConsole, say
+from kvloom.cluster.ports import listened_on
 from kvloom.replicas.serve_logs import LOG_FORMAT_ENV, json_logs, serve_logger_as_json
 
 DRAIN_POLL_S = 0.2
+ROUTER_CALL_TIMEOUT_S = 10
 
 
 def own_cluster_env(port: int) -> dict[str, str]:
@@ -85,9 +87,28 @@ def _startup_summary(config: ClusterConfig, replicas: list[dict]) -> None:
         f"-d '{{\"model\": \"{config.model_name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'")
 
 
+def _submitted_router(app_name: str):
+    """The router's handle once its app was submitted (a stop may come while `serve.run` waits for replicas)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    from kvloom.cluster.app import ROUTER_NAME
+
+    try:
+        return serve.get_deployment_handle(ROUTER_NAME, app_name)
+    except (KeyError, RayServeException):  # not submitted yet: no router took a request
+        return None
+
+
 def _drain(router, timeout_s: float) -> None:
-    """Stop admitting, then wait (a bounded poll) for the requests in flight to finish."""
-    in_flight = router.drain.remote().result()
+    """Stop admitting, then wait (a bounded poll) for the requests in flight to finish. A stop during start-up
+    drains too: the router may already answer HTTP while the replicas load (it then refuses what it queued)."""
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        in_flight = router.drain.remote().result(timeout_s=ROUTER_CALL_TIMEOUT_S)
+    except (TimeoutError, RayServeException):
+        return  # no router yet (no app, or its replica still starting), so it accepted no request
     say(f"draining: new requests get 503; {in_flight} in flight, waiting up to {timeout_s:g} s (again to stop now) ...",
         in_flight=in_flight)
     deadline = time.monotonic() + timeout_s
@@ -103,6 +124,10 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.port is not None:
         config = config.model_copy(update={"http": config.http.model_copy(update={"port": args.port})})
     proxy_port, batched = config.http.port, False
+    if args.address is None and listened_on(config.http.host, config.http.port):  # the router would run here
+        print(f"kvloom serve: port {config.http.port} on {config.http.host} is in use by another program; stop "
+              f"it, or choose another port with http.port in {args.config} or --port", file=sys.stderr)
+        return 1
     if args.address is None:  # our own cluster: its processes inherit this environment
         os.environ.update(own_cluster_env(config.http.port))
         batched = batch_scheduling()
@@ -144,6 +169,7 @@ def serve_main(args: argparse.Namespace) -> int:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
+        router = router or _submitted_router(config.name)
         if router is not None:
             try:
                 _drain(router, config.http.drain_timeout_s)

@@ -81,6 +81,13 @@ class AdmissionQueue:
         """Generated tokens streamed back: they advance the tenant's virtual counter."""
         self.counters.charge(ticket.tenant, ticket.weight, output_tokens=output_tokens)
 
+    def refuse_queued(self, error: APIError) -> None:
+        """Every waiting request ends with `error` (the server stops before any replica could take them)."""
+        for ticket in [*self._retries, *self.policy]:
+            self._unqueue(ticket)
+            if not ticket.future.done():
+                ticket.future.set_exception(error)
+
     def _unqueue(self, ticket: Ticket) -> None:
         if ticket in self._retries:
             self._retries.remove(ticket)

@@ -38,6 +38,7 @@ from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
+from kvloom.router.reusable_port import bind_http_with_reusable_address
 from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
                                      stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
@@ -106,6 +107,7 @@ class Router:
     def __init__(self, replicas_handle, settings: dict, decode_handle=None) -> None:
         """`replicas_handle` runs requests (prefill replicas when `decode_handle` is given)."""
         serve_logger_as_json()
+        bind_http_with_reusable_address()  # Serve binds this replica's direct-ingress port once __init__ returns
         self.settings = RouterSettings(**settings)
         self.tokenizer = load_router_tokenizer(resolve_model_dir(self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
@@ -147,8 +149,11 @@ class Router:
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:
-        """Stop admitting (503 from now on); answers how many requests are still in flight."""
+        """Stop admitting (503 from now on); answers how many requests are still in flight. With no replica ready
+        (a stop during start-up) the queued requests get the 503 at once: none would run before the stop."""
         self.draining = True
+        if not self.table.live():
+            self.admission.refuse_queued(_draining())
         return self.dispatcher.active
 
     async def in_flight(self) -> int:
@@ -249,15 +254,20 @@ class Router:
         return first, stream
 
     # ---- endpoints --------------------------------------------------------------------------
+    def _not_ready(self) -> APIError | None:
+        """Why no request could run now (draining, or no replica ready yet), or None."""
+        if self.draining:
+            return _draining()
+        if not self.table.live():
+            return APIError(503, "no engine replica is ready yet", code="no_replicas", headers={"Retry-After": "1"})
+        return None
+
     @api.get("/health")
     async def health(self):
         """200 while a replica is ready; a quiet 503 (a load balancer polls this) while none is, or draining."""
-        live = self.table.live()
-        if self.draining:
-            return _draining().response()
-        if not live:
-            return APIError(503, "no engine replica is ready yet", code="no_replicas").response()
-        return {"status": "ok", "replicas": len(live)}
+        if (not_ready := self._not_ready()) is not None:
+            return not_ready.response()
+        return {"status": "ok", "replicas": len(self.table.live())}
 
     @api.get("/metrics")
     async def metrics_endpoint(self, request: Request) -> Response:
@@ -285,10 +295,13 @@ class Router:
 
     @api.get("/v1/models")
     async def models(self, request: Request):
+        """What is served, once a replica can serve it: clients that poll this for readiness get /health's 503."""
         try:
             self._tenant(request)
         except APIError as exc:
             return exc.response()
+        if (not_ready := self._not_ready()) is not None:
+            return not_ready.response()
         return {"object": "list", "data": [{
             "id": self.settings.served_model_name, "object": "model", "created": self.created, "owned_by": "kvloom",
             "root": self.settings.model, "parent": None, "max_model_len": self.table.max_model_len() or None}]}

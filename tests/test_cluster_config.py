@@ -45,3 +45,15 @@ def test_invalid_yaml_names_the_file(tmp_path):
     path.write_text("engine: [unclosed\n")
     with pytest.raises(ClusterConfigError, match="broken.yaml"):
         load_cluster_config(path)
+
+
+def test_kvloom_serve_on_a_bad_config_prints_one_line_naming_the_file_and_key_and_no_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine:\n  block_size: 12\n")
+    done = subprocess.run([sys.executable, "-m", "kvloom.cluster.cli", "serve", "--config", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "engine.block_size" in done.stderr, done.stderr

@@ -1,11 +1,13 @@
 """`kvloom serve`, the command a user runs: it starts its own Ray cluster, the router answers HTTP on the
 configured port itself (Serve's direct ingress, no proxy hop), /health is a quiet 503 until a replica is
 ready, and SIGTERM drains: new requests get 503 while the ones in flight finish, then everything it started
-exits. With `--log-format json` every console line is a JSON object. Real processes, real HTTP."""
+exits; started again at once it serves on the same port, and a port another program holds is one clear line.
+With `--log-format json` every console line is a JSON object. Real processes, real HTTP."""
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -134,7 +136,7 @@ def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
 
     reader = threading.Thread(target=long_stream)
     reader.start()
-    assert wait_for(lambda: _running(served.base) > 0, 30, period_s=0.05)
+    assert wait_for(lambda: _gauge(served.base, "kvloom:num_requests_running") > 0, 30, period_s=0.05)
     served.process.send_signal(signal.SIGTERM)
     assert wait_for(lambda: _status(served.base, "/health") == 503, 10, period_s=0.05)
     late = httpx.post(f"{served.base}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2})
@@ -162,6 +164,60 @@ def test_with_log_format_json_every_console_line_is_a_json_object(served):
     assert any(parsed(line)["message"].startswith("draining") for line in lines)
 
 
+def test_started_again_at_once_on_the_same_port_it_serves(served, serve_process, tmp_path):
+    """The sequence a user hits: clients held keep-alive connections, SIGTERM stopped the server (the test above),
+    and `kvloom serve` starts again at once, while the closed connections still hold the port (TIME_WAIT)."""
+    assert served.process.poll() is not None
+    closed = [c for c in psutil.net_connections("tcp") if c.laddr.port == served.port and c.status != "LISTEN"]
+    assert closed, "the stopped server left no closed connection on its port: the scenario is not reproduced"
+    process, log = serve_process(tmp_path, CONFIG.format(port=served.port))
+    again = Server(process, served.port, log)
+    try:
+        assert wait_for(lambda: again.healthy() or process.poll() is not None, 240, period_s=0.2) \
+            and process.poll() is None, log.read_text()[-3000:]
+        answer = httpx.post(f"{again.base}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+    finally:
+        stop_tree(process)
+    assert "Failed to bind" not in log.read_text()
+
+
+def test_a_port_another_program_listens_on_is_one_line_naming_it_not_a_traceback(serve_process, tmp_path):
+    port = free_port()
+    with socket.socket() as other_program:
+        other_program.bind(("127.0.0.1", port))
+        other_program.listen()
+        process, log = serve_process(tmp_path, CONFIG.format(port=port))
+        assert process.wait(60) == 1
+    lines = log.read_text().splitlines()
+    assert len(lines) == 1 and str(port) in lines[0] and "http.port" in lines[0] and "serve.yaml" in lines[0], lines
+
+
+def test_a_stop_during_start_up_answers_the_requests_the_router_took_with_503(serve_process, tmp_path):
+    """The router answers HTTP before a replica is ready (here none ever is: it asks for more CPUs than the cluster
+    has). /v1/models says so as /health does, and a SIGTERM then answers a request waiting for a replica with a
+    503 instead of dropping its connection."""
+    port = free_port()
+    process, log = serve_process(tmp_path, CONFIG.format(port=port) + "resources:\n  num_cpus: 64\n")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: _status(base, "/health") == 503 or process.poll() is not None, 120, period_s=0.2) \
+            and process.poll() is None, log.read_text()[-3000:]
+        models = httpx.get(f"{base}/v1/models")
+        assert models.status_code == 503 and models.json()["error"]["code"] == "no_replicas"
+        answers = []
+        waiter = threading.Thread(target=lambda: answers.append(httpx.post(
+            f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2}, timeout=60)))
+        waiter.start()
+        assert wait_for(lambda: _gauge(base, "kvloom:router_queue_length") == 1, 30, period_s=0.05)
+        process.send_signal(signal.SIGTERM)
+        waiter.join(60)
+        assert answers[0].status_code == 503 and answers[0].json()["error"]["code"] == "draining"
+        assert process.wait(60) == 0
+    finally:
+        stop_tree(process)
+
+
 def _status(base: str, path: str) -> int | None:
     try:
         return httpx.get(f"{base}{path}", timeout=2).status_code
@@ -169,8 +225,8 @@ def _status(base: str, path: str) -> int | None:
         return None
 
 
-def _running(base: str) -> float:
+def _gauge(base: str, name: str) -> float:
     for line in httpx.get(f"{base}/metrics", timeout=5).text.splitlines():
-        if line.startswith("kvloom:num_requests_running"):
+        if line.startswith(name):
             return float(line.split()[-1])
     return 0.0
