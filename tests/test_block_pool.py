@@ -63,8 +63,9 @@ class TestAllocationAndRefCounts:
     def test_a_new_pool_is_entirely_free_and_uncached(self):
         pool = BlockPool(5)
         assert pool.num_free == 5 and pool.num_used == 0 and pool.usage == 0.0
-        assert all(b.ref_cnt == 0 and b.block_hash is None for b in pool.blocks)
         assert pool.cached == {} and pool.peak_num_used == 0 and pool.num_evictions == 0
+        handed_out = pool.allocate(5)
+        assert all(b.ref_cnt == 1 and b.block_hash is None for b in handed_out) and pool.num_evictions == 0
 
     def test_a_pool_of_a_billion_blocks_is_made_at_once_and_hands_out_ids_from_zero(self):
         pool = BlockPool(10**9)
