@@ -15,6 +15,7 @@ import time
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from kvloom.cluster.autoscaling_policy import serve_autoscaling_config
 from kvloom.cluster.config import ClusterConfig, load_cluster_config
 from kvloom.replicas.serve_logs import LOG_FORMAT_ENV
 from kvloom.engine.cpu_threads import openmp_env
@@ -45,11 +46,12 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     """No access-log line for the replicas' calls: the router's submits and channel reads and their stats
     pushes twice a second are internal traffic (each line also cost time in the engine's process). The
     router logs one line per HTTP request only if `http.access_log` asks."""
-    scaling = (
-        {"autoscaling_config": config.autoscaling_config}
-        if config.autoscaling_config
-        else {"num_replicas": config.num_replicas or 1}
-    )
+    if config.autoscaling:
+        scaling = {"autoscaling_config": serve_autoscaling_config(config.autoscaling, config.engine.max_num_seqs)}
+    elif config.autoscaling_config:
+        scaling = {"autoscaling_config": config.autoscaling_config}
+    else:
+        scaling = {"num_replicas": config.num_replicas or 1}
     resources = config.resources
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
@@ -111,6 +113,8 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
 def expected_replicas(config: ClusterConfig) -> int:
     if config.disaggregation.enabled:
         return config.disaggregation.prefill_replicas + config.disaggregation.decode_replicas
+    if config.autoscaling:
+        return config.autoscaling.min_replicas
     return config.num_replicas or (config.autoscaling_config or {}).get("min_replicas", 1)
 
 

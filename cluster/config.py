@@ -57,6 +57,41 @@ class DisaggregationConfig(Strict):
     decode_tensor_parallel_size: int | None = Field(None, ge=1)
 
 
+class ScalingTarget(Strict):
+    """The one load signal the autoscaler holds each replica at (cluster/autoscaling_policy.py)."""
+
+    waiting_per_replica: float | None = Field(
+        None, gt=0, description="requests waiting for a slot, in the engine or in the router's queue, per replica")
+    kv_usage: float | None = Field(None, gt=0, le=1, description="the mean share of KV blocks in use")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ScalingTarget":
+        chosen = [name for name, value in self if value is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"set exactly one of {', '.join(type(self).model_fields)} (got {chosen or 'none'})")
+        return self
+
+    @property
+    def signal(self) -> str:
+        return next(name for name, value in self if value is not None)
+
+
+class AutoscalingSettings(Strict):
+    """kvloom's autoscaling: Serve's own autoscaler, driven by what says a replica is overloaded."""
+
+    min_replicas: int = Field(1, ge=1, description="at least 1 (scale from zero is not supported yet)")
+    max_replicas: int = Field(ge=1)
+    target: ScalingTarget
+    upscale_delay_s: float = Field(10, ge=0, description="how long the signal must ask for more before they come")
+    downscale_delay_s: float = Field(60, ge=0, description="how long it must ask for fewer before they go")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "AutoscalingSettings":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is over max_replicas ({self.max_replicas})")
+        return self
+
+
 class HTTPConfig(Strict):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
@@ -70,7 +105,8 @@ class ClusterConfig(Strict):
     served_model_name: str | None = None
     engine: EngineConfig = Field(default_factory=EngineConfig)
     num_replicas: int | None = Field(None, ge=1)
-    autoscaling_config: dict[str, Any] | None = None
+    autoscaling: AutoscalingSettings | None = None
+    autoscaling_config: dict[str, Any] | None = None  # Serve's own, passed through as it is
     resources: ReplicaResources = Field(default_factory=ReplicaResources)
     router: RouterConfig = Field(default_factory=RouterConfig)
     http: HTTPConfig = Field(default_factory=HTTPConfig)
@@ -109,6 +145,7 @@ def load_cluster_config(path: str | Path) -> ClusterConfig:
         problems = "; ".join(": ".join(filter(None, (".".join(str(p) for p in e["loc"]), e["msg"].removeprefix("Value error, "))))
                              for e in exc.errors())
         raise ClusterConfigError(f"{path}: {problems}") from exc
-    if config.num_replicas and config.autoscaling_config:
-        raise ClusterConfigError(f"{path}: num_replicas: set either num_replicas or autoscaling_config, not both")
+    scaling = [key for key in ("num_replicas", "autoscaling", "autoscaling_config") if getattr(config, key)]
+    if len(scaling) > 1:
+        raise ClusterConfigError(f"{path}: {scaling[1]}: set only one of {', '.join(scaling)}")
     return config

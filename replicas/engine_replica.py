@@ -93,6 +93,7 @@ class EngineReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
         self._stats_task = None
+        self.router_backlog = 0.0  # requests queued in the router per live replica, as it last said
         if router_name:
             router = serve.get_deployment_handle(router_name, context.app_name)
             self._stats_task = asyncio.get_running_loop().create_task(self._push_stats(router, stats_period_s))
@@ -100,11 +101,12 @@ class EngineReplica:
     async def _push_stats(self, router, period_s: float) -> None:
         while True:
             try:
-                replicas_on_node = await router.report_replica_stats.remote(self.stats())
+                view = await router.report_replica_stats.remote(self.stats())
             except Exception as exc:  # the router may be starting or restarting; keep trying
                 logger.debug("stats push failed: %r", exc)
             else:
-                self.share_node(replicas_on_node)
+                self.router_backlog = view.queued_per_replica
+                self.share_node(view.replicas_on_node)
             await asyncio.sleep(period_s)
 
     def share_node(self, replicas_on_node: int) -> None:
@@ -117,6 +119,12 @@ class EngineReplica:
                         self.replica_id, threads, replicas_on_node, self.cpus)
             self.threads = threads
             self.engine.set_num_threads(threads)
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """What kvloom's autoscaling policy scales on (cluster/autoscaling_policy.py); Serve polls it."""
+        s = self.engine.stats()
+        return {"waiting": s.num_waiting + self.router_backlog, "running": float(s.num_running),
+                "kv_usage": s.kv_cache_usage}
 
     def stats(self) -> ReplicaStats:
         report = self.engine.report(PREFIX_SUMMARY_SIZE)

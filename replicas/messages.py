@@ -125,3 +125,12 @@ class ReplicaStats:
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
     healthy: bool = True
     time: float = 0.0
+
+
+@dataclass
+class RouterView:
+    """The router's answer to a replica's stats: how many live replicas share its node (they split its cores)
+    and the requests queued in the router per live replica (the backlog the autoscaler sees)."""
+
+    replicas_on_node: int
+    queued_per_replica: float

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
-from kvloom.replicas.messages import Chunk, ReplicaStats, SubmitRequest
+from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
@@ -141,11 +141,13 @@ class Router:
         self.tenancy = settings
 
     # ---- called by replicas -----------------------------------------------------------------
-    async def report_replica_stats(self, stats: ReplicaStats) -> int:
-        """Take a replica's stats; answer how many live replicas (any role) share its node."""
+    async def report_replica_stats(self, stats: ReplicaStats) -> RouterView:
+        """Take a replica's stats; answer how many live replicas (any role) share its node, and the backlog."""
         (self.decode_table if stats.role == "decode" else self.table).report(stats)
         self.admission.pump()
-        return sum(r.stats.node_id == stats.node_id for t in (self.table, self.decode_table) for r in t.live())
+        live = [r for t in (self.table, self.decode_table) for r in t.live()]
+        return RouterView(replicas_on_node=sum(r.stats.node_id == stats.node_id for r in live),
+                          queued_per_replica=len(self.admission) / max(1, len(self.table.live())))
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:

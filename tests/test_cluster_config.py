@@ -57,3 +57,34 @@ def test_kvloom_serve_on_a_bad_config_prints_one_line_naming_the_file_and_key_an
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.count("\n") == 1 and str(path) in done.stderr and "engine.block_size" in done.stderr, done.stderr
+
+
+AUTOSCALING = "autoscaling:\n  min_replicas: {min}\n  max_replicas: {max}\n  target: {target}\n  downscale_delay_s: {down}\n"
+
+
+@pytest.mark.parametrize(
+    "values, key",
+    [
+        ({"min": 3, "max": 2}, "min_replicas (3) is over max_replicas (2)"),
+        ({"target": "{queue_depth: 4}"}, "autoscaling.target.queue_depth"),
+        ({"target": "{}"}, "autoscaling.target: set exactly one of waiting_per_replica, kv_usage"),
+        ({"target": "{kv_usage: 0.8, waiting_per_replica: 4}"}, "autoscaling.target: set exactly one"),
+        ({"target": "{kv_usage: 1.5}"}, "autoscaling.target.kv_usage"),
+        ({"down": -1}, "autoscaling.downscale_delay_s"),
+        ({"min": 0}, "autoscaling.min_replicas"),
+    ],
+)
+def test_bad_autoscaling_settings_name_the_file_and_field(tmp_path, values, key):
+    path = tmp_path / "scaling.yaml"
+    path.write_text(AUTOSCALING.format(**{"min": 1, "max": 3, "target": "{waiting_per_replica: 4}", "down": 30,
+                                          **values}))
+    with pytest.raises(ClusterConfigError) as err:
+        load_cluster_config(path)
+    assert str(path) in str(err.value) and key in str(err.value), str(err.value)
+
+
+def test_one_way_of_scaling_at_a_time(tmp_path):
+    path = tmp_path / "both.yaml"
+    path.write_text("num_replicas: 2\n" + AUTOSCALING.format(min=1, max=3, target="{kv_usage: 0.8}", down=30))
+    with pytest.raises(ClusterConfigError, match="autoscaling: set only one of num_replicas, autoscaling"):
+        load_cluster_config(path)
