@@ -42,6 +42,7 @@ class Server:
         self.process, self.port, self.log = process, port, log
         self.base = f"http://127.0.0.1:{port}"
         self.health_answers: list[tuple[int, dict]] = []  # every /health answer until the first 200
+        self.idle_client: socket.socket | None = None  # a client's keep-alive connection, open when it stops
 
     def healthy(self) -> bool:
         try:
@@ -137,6 +138,9 @@ def test_sigterm_drains_in_flight_requests_then_everything_exits(served):
     reader = threading.Thread(target=long_stream)
     reader.start()
     assert wait_for(lambda: _gauge(served.base, "kvloom:num_requests_running") > 0, 30, period_s=0.05)
+    served.idle_client = socket.create_connection(("127.0.0.1", served.port))  # answered, then left open
+    served.idle_client.sendall(b"GET /health HTTP/1.1\r\nHost: kvloom\r\n\r\n")
+    assert served.idle_client.recv(65536).startswith(b"HTTP/1.1 200")
     served.process.send_signal(signal.SIGTERM)
     assert wait_for(lambda: _status(served.base, "/health") == 503, 10, period_s=0.05)
     late = httpx.post(f"{served.base}/v1/completions", json={"model": "smollm2", "prompt": "hi", "max_tokens": 2})
@@ -165,9 +169,9 @@ def test_with_log_format_json_every_console_line_is_a_json_object(served):
 
 
 def test_started_again_at_once_on_the_same_port_it_serves(served, serve_process, tmp_path):
-    """The sequence a user hits: clients held keep-alive connections, SIGTERM stopped the server (the test above),
-    and `kvloom serve` starts again at once, while the closed connections still hold the port (TIME_WAIT)."""
-    assert served.process.poll() is not None
+    """The sequence a user hits: a client held a keep-alive connection, SIGTERM stopped the server (the test above),
+    and `kvloom serve` starts again at once, while the connection the server closed still holds the port."""
+    assert served.process.poll() is not None and served.idle_client is not None
     closed = [c for c in psutil.net_connections("tcp") if c.laddr.port == served.port and c.status != "LISTEN"]
     assert closed, "the stopped server left no closed connection on its port: the scenario is not reproduced"
     process, log = serve_process(tmp_path, CONFIG.format(port=served.port))
@@ -179,6 +183,7 @@ def test_started_again_at_once_on_the_same_port_it_serves(served, serve_process,
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
     finally:
         stop_tree(process)
+        served.idle_client.close()
     assert "Failed to bind" not in log.read_text()
 
 
