@@ -109,8 +109,5 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     config = AutoConfig.for_model(**{**fields, "dtype": "float32"})
     config.save_pretrained(target)
     GenerationConfig.from_model_config(config).save_pretrained(target)
-    weights = hf_tensors(tensors, fields)
-    if fields["tie_word_embeddings"]:
-        weights.pop("lm_head.weight", None)
-    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    save_file(hf_tensors(tensors, fields), target / "model.safetensors", metadata={"format": "pt"})
     PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
