@@ -9,10 +9,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} </s>
 
 
 def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama", tied: bool = False,
-                     chat: bool = False) -> Path:
+                     chat: bool = False, context: int = 1024) -> Path:
     """A 2-layer random Llama-family model (llama, qwen2, qwen3) with grouped-query attention and a
     word-level tokenizer (`w3` .. `w511`); `tied`: the LM head shares the embedding table (like SmolLM2);
-    `chat`: the tokenizer has a chat template (CHAT_TEMPLATE), so the chat endpoints serve it."""
+    `chat`: the tokenizer has a chat template (CHAT_TEMPLATE), so the chat endpoints serve it; `context`: its
+    max_position_embeddings."""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -29,7 +30,7 @@ def build_tiny_llama(path: Path, seed: int = 0, model_type: str = "llama", tied:
         tokenizer.chat_template = CHAT_TEMPLATE
     config = AutoConfig.for_model(
         model_type, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=context,
         initializer_range=0.2, bos_token_id=1, eos_token_id=2, tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)

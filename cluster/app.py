@@ -31,6 +31,8 @@ ROUTER_NAME = "Router"
 REPLICA_NAME = "EngineReplica"
 PREFILL_NAME = "PrefillReplica"
 DECODE_NAME = "DecodeReplica"
+DEFAULT_GRACE_S = 5.0  # a stopping replica's running requests get this long before they move (router/membership.py)
+MOVE_MARGIN_S = 5.0  # Serve's own timeout is longer by this: the router moves the requests before Serve ends it
 
 
 def tenancy_user_config(config: ClusterConfig) -> dict:
@@ -53,6 +55,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     else:
         scaling = {"num_replicas": config.num_replicas or 1}
     resources = config.resources
+    grace_s = config.autoscaling.graceful_period_s if config.autoscaling else DEFAULT_GRACE_S
     credit = config.engine.max_num_seqs + config.router.replica_slack
     preempts = config.router.engine_preempts
     logs = {"log_level": log_level, "encoding": log_encoding, "enable_access_log": False}
@@ -70,10 +73,11 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
             ray_actor_options={"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus,
                                "runtime_env": {"env_vars": {**openmp_env(), **log_format}}},
             max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
-            request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter),
+            request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter,
+                                                      request_router_kwargs={"deployment": name}),
             health_check_period_s=2,
             health_check_timeout_s=30,
-            graceful_shutdown_timeout_s=5,
+            graceful_shutdown_timeout_s=grace_s + MOVE_MARGIN_S,
             logging_config=logs,
             **placement,
             **replica_scaling,
@@ -88,6 +92,9 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         "served_model_name": config.model_name,
         "model": config.engine.model,
         "block_size": config.engine.block_size,
+        "replica_deployment": REPLICA_NAME,
+        "replica_grace_s": grace_s,
+        "scales_from_zero": expected_replicas(config) == 0,
         **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)

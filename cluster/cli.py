@@ -5,6 +5,8 @@ import sys
 import time
 from pathlib import Path
 
+STATUS_EVENTS = 10  # scaling events `kvloom status` shows, the latest last
+
 
 def _generate(args: argparse.Namespace) -> int:
     from kvloom.engine.llm import LLM
@@ -53,7 +55,8 @@ def _status(args: argparse.Namespace) -> int:
     from kvloom.cluster.serve_command import describe_rank
 
     _connect(args.address)
-    replicas = serve.get_deployment_handle(ROUTER_NAME, args.name).replica_stats.remote().result()
+    router = serve.get_deployment_handle(ROUTER_NAME, args.name)
+    replicas = router.replica_stats.remote().result()
     print(f"{len(replicas)} replica(s)")
     header = (f"{'replica':<10} {'device':<7} {'dtype':<9} {'tp':>3} {'threads':>7} {'running':>7} {'waiting':>7} "
               f"{'inflight':>8} {'kv used':>8} {'prefix hit':>10} {'preempt':>7} {'steps':>8} {'batch':>5}")
@@ -64,8 +67,19 @@ def _status(args: argparse.Namespace) -> int:
         print(f"{r['replica_id']:<10} {r['device']:<7} {r['dtype']:<9} {r['tensor_parallel_size']:>3} "
               f"{r['torch_threads']:>7} {r['num_running']:>7} {r['num_waiting']:>7} {r['inflight']:>8} "
               f"{r['kv_cache_usage']:>8.1%} {hit:>10.1%} {r['num_preemptions']:>7} {r['engine_steps']:>8} {batch:>5.1f}")
+        if r["startup"]:
+            phases = ", ".join(f"{phase} {seconds:.1f}" for phase, seconds in r["startup"].items())
+            print(f"  started in {sum(r['startup'].values()):.1f} s: {phases}")
         for rank in r["ranks"]:
             print("  " + describe_rank(rank, r["ranks"]))
+    events = router.scaling_events.remote().result()[-STATUS_EVENTS:]
+    if events:
+        print("replicas over time (the router's load signals when each joined or left):")
+    for e in events:
+        change = " ".join([*(f"+{r}" for r in e["joined"]), *(f"-{r}" for r in e["left"])])
+        print(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))}  {e['replicas']} replica(s)  {change}  "
+              f"waiting/replica {e['waiting_per_replica']:.1f}  running {e['running']}  kv used {e['kv_usage']:.1%}"
+              f"  ttft p90 {e['ttft_p90_s']:.2f} s  queued {e['queued']}")
     return 0
 
 

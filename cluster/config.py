@@ -39,6 +39,8 @@ class RouterConfig(PolicyConfig, Strict):
     max_retries: int = Field(2, ge=0, description="times a request whose replica died moves to another one")
     retry_wait_s: float = Field(60, gt=0, description="how long a moved request waits for a replica before it "
                                                       "ends with an error")
+    cold_start_timeout_s: float = Field(300, gt=0, description="how long a request waits for a replica while "
+                                                               "none runs (scale from zero); then 503")
     max_request_bytes: int = Field(4 * 2**20, ge=1024, description="larger request bodies get 413")
     metrics_require_admin: bool = Field(False, description="GET /metrics asks for an admin key (its labels name "
                                                            "tenants)")
@@ -63,6 +65,8 @@ class ScalingTarget(Strict):
     waiting_per_replica: float | None = Field(
         None, gt=0, description="requests waiting for a slot, in the engine or in the router's queue, per replica")
     kv_usage: float | None = Field(None, gt=0, le=1, description="the mean share of KV blocks in use")
+    ttft_p90_s: float | None = Field(None, gt=0, description="the p90 time to first token clients see, requests "
+                                                            "still waiting counted at their age")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "ScalingTarget":
@@ -79,11 +83,14 @@ class ScalingTarget(Strict):
 class AutoscalingSettings(Strict):
     """kvloom's autoscaling: Serve's own autoscaler, driven by what says a replica is overloaded."""
 
-    min_replicas: int = Field(1, ge=1, description="at least 1 (scale from zero is not supported yet)")
+    min_replicas: int = Field(1, ge=0, description="0: none run while idle; the first request waits while one "
+                                                   "starts (router.cold_start_timeout_s)")
     max_replicas: int = Field(ge=1)
     target: ScalingTarget
     upscale_delay_s: float = Field(10, ge=0, description="how long the signal must ask for more before they come")
     downscale_delay_s: float = Field(60, ge=0, description="how long it must ask for fewer before they go")
+    graceful_period_s: float = Field(30, ge=0, description="how long a replica chosen for removal keeps its "
+                                                           "running requests; the rest then move to others")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSettings":

@@ -296,7 +296,7 @@ class AsyncLLMEngine:
             block_size=engine.block_size, max_model_len=engine.max_model_len,
             spec_decode=asdict(spec) if spec else None,
             recent_prefix_hashes=engine.kv.pool.recent_hashes(recent_prefix_hashes),
-            ranks=list(getattr(engine.runner, "reports", [])))
+            ranks=list(getattr(engine.runner, "reports", [])), startup=dict(engine.startup.seconds))
 
     def check_health(self) -> None:
         if self.dead_error is not None:

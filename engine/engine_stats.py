@@ -53,3 +53,4 @@ class EngineReport:
     spec_decode: dict | None  # SpecDecodeStats as a dict; None without speculation
     recent_prefix_hashes: list[int]
     ranks: list = field(default_factory=list)  # tensor-parallel RankReports; empty on one rank
+    startup: dict[str, float] = field(default_factory=dict)  # start-up phase -> seconds (StartupTimes)

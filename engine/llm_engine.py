@@ -31,6 +31,7 @@ from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
 from kvloom.engine.speculation.speculative import SpecDecodeStats, build_speculator
+from kvloom.engine.startup_times import StartupTimes
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
 from kvloom.engine.tensor_parallel.tp_shards import plan_shards
@@ -49,9 +50,11 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype)
-        model_dir = resolve_model_dir(config.model)
-        self.model_config = ModelConfig.from_dir(model_dir)
-        self.tokenizer = load_tokenizer(model_dir, self.model_config)
+        self.startup = StartupTimes()
+        with self.startup.phase("model files and tokenizer"):
+            model_dir = resolve_model_dir(config.model)  # a GGUF file is converted here, once per machine
+            self.model_config = ModelConfig.from_dir(model_dir)
+            self.tokenizer = load_tokenizer(model_dir, self.model_config)
         self.shards = plan_shards(self.model_config, config.tensor_parallel_size)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.vocab_size = self.model_config.vocab_size
@@ -62,19 +65,21 @@ class LLMEngine:
         self.outputs = OutputProcessor(token_decoder(self.tokenizer), self.eos_token_ids, self.max_model_len)
         self.block_size = config.block_size
         if config.tensor_parallel_size == 1:  # loaded first: a CUDA budget is profiled on it
-            self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl)
+            with self.startup.phase("weights"):
+                self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl)
         # under tensor parallelism every rank holds the same blocks, each with its own KV heads: the widest
         # rank's share sets how many fit its budget
         bytes_per_token = max(s.local_config(self.model_config).kv_bytes_per_token(self.kv_dtype) for s in self.shards)
         self.num_blocks = kv_block_count(config, self.device, bytes_per_token, self.max_model_len,
                                          lambda: profile_cuda_budget(config, self.device, self._runner))
         check_batch_limits(config, self.max_model_len)
-        if config.tensor_parallel_size > 1:
-            self.runner = start_tensor_parallel(config, self.model_config, self.dtype, self.kv_dtype, self.device,
-                                                self.num_blocks, **(tensor_parallel_launch or {}))
-            self.decoder = self.runner.decoder
-        else:
-            self.runner = self._runner(self.num_blocks)
+        with self.startup.phase("kernels and KV cache" if config.tensor_parallel_size == 1 else "ranks"):
+            if config.tensor_parallel_size > 1:
+                self.runner = start_tensor_parallel(config, self.model_config, self.dtype, self.kv_dtype,
+                                                    self.device, self.num_blocks, **(tensor_parallel_launch or {}))
+                self.decoder = self.runner.decoder
+            else:
+                self.runner = self._runner(self.num_blocks)
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.handoffs = ParkedKV(self.kv)
         trim_heap()  # what loading freed
@@ -158,10 +163,11 @@ class LLMEngine:
         id repeated, is unlike any text, so it gives no later prompt a prefix-cache hit."""
         length = max(1, min(32, self.max_model_len - 2, self.config.max_num_batched_tokens))
         prompt = [min(1000, self.vocab_size - 1)] * length
-        self.add_request("kvloom-warm-up", prompt, SamplingParams(max_tokens=min(2, self.max_model_len - length),
-                                                                  temperature=0, detokenize=False))
-        while self.has_unfinished():
-            self.step()
+        with self.startup.phase("warm-up"):
+            self.add_request("kvloom-warm-up", prompt, SamplingParams(max_tokens=min(2, self.max_model_len - length),
+                                                                      temperature=0, detokenize=False))
+            while self.has_unfinished():
+                self.step()
 
     def release_parked(self, request_id: str) -> bool:
         """Free a hand-off's blocks: a parked prefill (sent, or given up) or a reserved decode."""

@@ -7,7 +7,8 @@ instruction set and hash of the sources' content, and build from a copy of the s
 folder: two checkouts of the same code on one machine (a CI clone beside a working tree) share one
 build instead of rebuilding each other's (torch's loader keys a build by the source's path too).
 Set-up (`./dev.sh`) runs `python -m kvloom.kernels.cpu_extensions` (`... <name>` builds one), which builds
-them side by side, so replicas only load. Builders serialize on an flock, which dies with its holder: a
+them side by side, so replicas only load the library (a process that finds it built loads it without running
+the build tool: replica start-up). Builders serialize on an flock, which dies with its holder: a
 process killed mid-build leaves no lock that the next one waits on, and a waiting or compiling replica says so
 in its log.
 """
@@ -36,9 +37,11 @@ HERE = Path(__file__).parent
 
 
 def _content_key(source: Path) -> str:
-    """The source's and the shared headers' content (torch's loader would not notice a header change)."""
+    """The source's and the shared headers' content (torch's loader would not notice a header change), and the
+    flags they are built with."""
     files = [source, *sorted(HERE.glob("*.h"))]
-    return hashlib.sha1(b"".join(path.read_bytes() for path in files)).hexdigest()[:10]
+    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    return hashlib.sha1(b"".join(path.read_bytes() for path in files) + flags).hexdigest()[:10]
 
 
 def build_dir_for(name: str) -> Path:
@@ -57,6 +60,13 @@ def build_extension(name: str):
     from torch.utils.cpp_extension import load
 
     build_dir = build_dir_for(name)
+    library = build_dir / f"{name}.so"
+    if library.exists():  # built from these very sources and flags: load it, no ninja run (~1 s a kernel)
+        try:
+            torch.ops.load_library(str(library))
+            return torch.ops.kvloom
+        except OSError as exc:  # a build killed while linking: build it again below
+            logger.warning("cannot load the CPU kernel %s (%s); building it again", name, exc)
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         with (build_dir / "kvloom.lock").open("w") as lock:

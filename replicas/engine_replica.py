@@ -30,7 +30,8 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.outputs import RequestOutput
-from kvloom.replicas.messages import Chunk, ReplicaError, ReplicaStats, StepChunks, SubmitReply, SubmitRequest
+from kvloom.replicas.messages import (Chunk, ReplicaError, ReplicaStats, RouterView, StepChunks, SubmitReply,
+                                     SubmitRequest)
 
 if TYPE_CHECKING:
     from kvloom.engine.async_engine import OutputBatches
@@ -70,8 +71,12 @@ class EngineReplica:
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
                        torch_threads: int | None = None, rank_resources: dict | None = None) -> None:
         """`rank_resources`: num_cpus and num_gpus of each tensor-parallel rank's bundle."""
+        import psutil
+
         from kvloom.engine.async_engine import AsyncLLMEngine
 
+        # Ray starting the actor's process, Serve's replica wrapper and the imports, up to this constructor
+        self.process_start_s = time.time() - psutil.Process().create_time()
         serve_logger_as_json()
         self.config = engine_device(EngineConfig(**engine_config))
         self.cpus = usable_cpus()
@@ -93,7 +98,7 @@ class EngineReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
         self._stats_task = None
-        self.router_backlog = 0.0  # requests queued in the router per live replica, as it last said
+        self.router_view = RouterView(replicas_on_node=1, queued_per_replica=0.0)  # as the router last said
         if router_name:
             router = serve.get_deployment_handle(router_name, context.app_name)
             self._stats_task = asyncio.get_running_loop().create_task(self._push_stats(router, stats_period_s))
@@ -105,7 +110,7 @@ class EngineReplica:
             except Exception as exc:  # the router may be starting or restarting; keep trying
                 logger.debug("stats push failed: %r", exc)
             else:
-                self.router_backlog = view.queued_per_replica
+                self.router_view = view
                 self.share_node(view.replicas_on_node)
             await asyncio.sleep(period_s)
 
@@ -122,9 +127,9 @@ class EngineReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """What kvloom's autoscaling policy scales on (cluster/autoscaling_policy.py); Serve polls it."""
-        s = self.engine.stats()
-        return {"waiting": s.num_waiting + self.router_backlog, "running": float(s.num_running),
-                "kv_usage": s.kv_cache_usage}
+        s, view = self.engine.stats(), self.router_view
+        return {"waiting": s.num_waiting + view.queued_per_replica, "running": float(s.num_running),
+                "kv_usage": s.kv_cache_usage, "ttft_p90_s": view.ttft_p90_s}
 
     def stats(self) -> ReplicaStats:
         report = self.engine.report(PREFIX_SUMMARY_SIZE)
@@ -140,6 +145,7 @@ class EngineReplica:
             num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
             engine_step_seconds=s.step_seconds,
             spec_decode=report.spec_decode, cached_prefix_hashes=report.recent_prefix_hashes,
+            startup={"process start": self.process_start_s, **report.startup},
             healthy=self.engine.dead_error is None, time=time.time(),
         )
 
@@ -215,6 +221,11 @@ class EngineReplica:
         """The router gave up on a request it submitted: its channel aborts it (if it still runs)."""
         for batches in self.channels.values():
             batches.forget(request_id)
+
+    def replica_ready(self) -> str:
+        """Answers once this replica runs: the router's call that waits in Serve's handle while none does is
+        what Serve scales a deployment up from zero on (router/cold_start.py)."""
+        return self.replica_id
 
     def check_health(self) -> None:
         """Serve calls this periodically; raising makes Serve replace the replica."""

@@ -123,14 +123,17 @@ class ReplicaStats:
     spec_decode: dict | None = None  # SpecDecodeStats as a dict, where the engine speculates
     cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
+    startup: dict[str, float] = field(default_factory=dict)  # how long each part of its start took (seconds)
     healthy: bool = True
     time: float = 0.0
 
 
 @dataclass
 class RouterView:
-    """The router's answer to a replica's stats: how many live replicas share its node (they split its cores)
-    and the requests queued in the router per live replica (the backlog the autoscaler sees)."""
+    """The router's answer to a replica's stats: how many live replicas share its node (they split its cores),
+    the requests queued in the router per live replica (the backlog the autoscaler sees) and the p90 time to
+    first token its clients see now."""
 
     replicas_on_node: int
     queued_per_replica: float
+    ttft_p90_s: float = 0.0

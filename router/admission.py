@@ -81,9 +81,12 @@ class AdmissionQueue:
         """Generated tokens streamed back: they advance the tenant's virtual counter."""
         self.counters.charge(ticket.tenant, ticket.weight, output_tokens=output_tokens)
 
-    def refuse_queued(self, error: APIError) -> None:
-        """Every waiting request ends with `error` (the server stops before any replica could take them)."""
+    def refuse_queued(self, error: APIError, arrived_before: float | None = None) -> None:
+        """Every waiting request (that arrived before `arrived_before`, a monotonic time) ends with `error`: the
+        server stops before any replica could take them, or none came in time."""
         for ticket in [*self._retries, *self.policy]:
+            if arrived_before is not None and ticket.arrival >= arrived_before:
+                continue
             self._unqueue(ticket)
             if not ticket.future.done():
                 ticket.future.set_exception(error)

@@ -22,6 +22,10 @@ class ReplicaGone(RuntimeError):
     """The replica's output channel ended or broke with requests still on it."""
 
 
+class ReplicaLeft(ReplicaGone):
+    """The router closed the channel of a replica Serve is stopping (router/membership.py)."""
+
+
 class ReplicaChannels:
     resumable = True  # a request may go on on another replica from the tokens its client has
 
@@ -30,9 +34,21 @@ class ReplicaChannels:
         self.channel_id = uuid.uuid4().hex  # this router process's channel on every replica
         self.requests: dict[str, "ChannelStream"] = {}
         self._listeners: dict[str, asyncio.Task] = {}
+        self._closing: dict[str, ReplicaGone] = {}  # why the router closes a replica's channel
 
     def open(self, message: SubmitRequest, replica_id: str) -> "ChannelStream":
         return ChannelStream(self, message, replica_id)
+
+    def running_on(self, replica_id: str) -> int:
+        """Requests submitted to the replica that have not finished."""
+        return sum(r.replica_id == replica_id and not r.finished for r in self.requests.values())
+
+    def close(self, replica_id: str, error: ReplicaGone) -> None:
+        """Stop reading the replica's channel (which aborts what runs there); its requests end with `error`."""
+        listener = self._listeners.get(replica_id)
+        if listener is not None:
+            self._closing[replica_id] = error
+            listener.cancel()
 
     def listen(self, replica_id: str) -> None:
         """Make sure the replica's channel is being read (opened on the first request sent there)."""
@@ -55,6 +71,9 @@ class ReplicaChannels:
             error = exc
         finally:
             del self._listeners[replica_id]
+            if replica_id in self._closing:
+                stream.cancel()  # the replica aborts what still runs on the channel
+                error = self._closing.pop(replica_id)
             for request in list(self.requests.values()):
                 if request.replica_id == replica_id and not request.finished:
                     request.queue.put_nowait(error)

@@ -23,9 +23,10 @@ import ray.exceptions
 from kvloom.engine.errors import EngineDeadError
 from kvloom.replicas.messages import Chunk, Continuation, SubmitRequest
 from kvloom.router.admission import AdmissionQueue, Ticket
-from kvloom.router.channels import ReplicaGone
+from kvloom.router.channels import ReplicaGone, ReplicaLeft
 from kvloom.router.errors import APIError
 from kvloom.router.metrics import RouterMetrics
+from kvloom.router.recent_ttft import RecentTTFT
 from kvloom.router.tenants import Tenant
 
 logger = logging.getLogger(__name__)
@@ -77,14 +78,22 @@ class Dispatcher:
         self.max_retries = max_retries
         self.retry_wait_s = retry_wait_s
         self.active = 0  # requests between admission and their last chunk (what a drain waits for)
+        self.recent_ttft = RecentTTFT()
+        self.awaiting_first_token: dict[str, float] = {}  # request -> arrival
 
     async def run(self, job: Job) -> AsyncIterator[Chunk]:
         self.active += 1
+        self.awaiting_first_token[job.request_id] = job.arrival
         try:
             async for chunk in self._run(job):
                 yield chunk
         finally:
             self.active -= 1
+            self.awaiting_first_token.pop(job.request_id, None)
+
+    def ttft_p90_s(self) -> float:
+        """The p90 time to first token of the last seconds, requests still waiting counted at their age."""
+        return self.recent_ttft.p90(list(self.awaiting_first_token.values()))
 
     async def _run(self, job: Job) -> AsyncIterator[Chunk]:
         tenant, admitted = job.tenant, not job.shares_prompt
@@ -133,8 +142,9 @@ class Dispatcher:
                     logger.warning("replica %s errored on %s: %r", replica.replica_id, job.request_id, exc)
                     raise APIError(500, f"replica failed: {type(exc).__name__}", code="replica_failed") from exc
                 self.admission.table.drop(replica.replica_id)
-                logger.warning("replica %s failed on %s after %d token(s): %r", replica.replica_id,
-                               job.request_id, len(delivered.token_ids), exc)
+                logger.log(logging.INFO if isinstance(exc, ReplicaLeft) else logging.WARNING,
+                           "request %s leaves replica %s after %d token(s): %r", job.request_id, replica.replica_id,
+                           len(delivered.token_ids), exc)
                 if delivered.token_ids and not self.streams.resumable:
                     raise APIError(500, f"replica failed mid-stream after partial output: {type(exc).__name__}",
                                    code="replica_failed") from exc
@@ -166,6 +176,8 @@ class Dispatcher:
             if chunk.error is None and delivered.first_token_at is None and generated:
                 delivered.first_token_at = time.monotonic()
                 self.metrics.ttft.labels(label).observe(delivered.first_token_at - job.arrival)
+                self.recent_ttft.add(delivered.first_token_at - job.arrival, delivered.first_token_at)
+                self.awaiting_first_token.pop(job.request_id, None)
                 if own_prompt:
                     self.metrics.prompt_tokens.labels(label).inc(chunk.prompt_tokens)
                     tenant.usage.prompt_tokens += chunk.prompt_tokens

@@ -75,6 +75,8 @@ class RouterMetrics:
         self.queue_time = Histogram("kvloom:request_queue_time_seconds", "Time queued in the router", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.moved = Counter("kvloom:requests_moved", "Requests moved off a failed replica: retried (nothing "
                              "streamed yet) or continued (mid-stream)", ["tenant", "how"], registry=r)
+        self.cold_start = Histogram("kvloom:cold_start_seconds", "From a request finding no replica to one "
+                                    "ready", buckets=LATENCY_BUCKETS, registry=r)
         self.rejected = Counter("kvloom:rejected_requests", "Requests refused or failed, by reason (quota name or error code)", ["tenant", "reason"], registry=r)
         self.tenant_queued = Gauge("kvloom:tenant_queued_requests", "Requests waiting in the router", ["tenant"], registry=r)
         self.virtual_counter = Gauge("kvloom:tenant_virtual_counter", "VTC weighted service per tenant", ["tenant"], registry=r)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from kvloom.replicas.messages import ReplicaStats
 
 PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
+RETIRED_MEMORY_S = 600.0  # how long a retired replica's stats pushes are ignored (it ends long before)
 
 
 @dataclass
@@ -78,9 +79,13 @@ class ReplicaTable:
         self.imbalance_threshold = imbalance_threshold
         self.stale_after_s = stale_after_s
         self.replicas: dict[str, ReplicaState] = {}
+        self.retired: dict[str, float] = {}  # replica -> when it left; its last stats pushes are ignored
+        self.serving: frozenset[str] | None = None  # the replicas Serve routes to (None: not known yet)
 
     def report(self, stats: ReplicaStats) -> None:
         replica_id = stats.replica_id
+        if replica_id in self.retired:
+            return
         state = self.replicas.get(replica_id)
         if state is None:
             state = self.replicas[replica_id] = ReplicaState(replica_id, stats, time.monotonic())
@@ -92,15 +97,27 @@ class ReplicaTable:
     def drop(self, replica_id: str) -> None:
         self.replicas.pop(replica_id, None)
 
+    def retire(self, replica_id: str) -> None:
+        """The replica is leaving: no new request goes there, and what it caches no longer attracts any."""
+        now = time.monotonic()
+        self.retired = {r: t for r, t in self.retired.items() if now - t < RETIRED_MEMORY_S}
+        self.retired[replica_id] = now
+        self.drop(replica_id)
+
     def live(self) -> list[ReplicaState]:
         now = time.monotonic()
         for replica_id in [r for r, s in self.replicas.items() if now - s.last_seen > self.stale_after_s]:
             self.drop(replica_id)
         return list(self.replicas.values())
 
+    def routable(self) -> list[ReplicaState]:
+        """The live replicas Serve routes to: one that reports while Serve still starts it takes no request yet
+        (Serve would send it to another replica). All live ones until Serve's set is known."""
+        return [r for r in self.live() if self.serving is None or r.replica_id in self.serving]
+
     def choose(self, prompt_hashes: list[int], priority: int = 0) -> ReplicaState | None:
         """The replica for a request, or None when no replica has credit left for its class."""
-        open_replicas = [r for r in self.live() if r.has_room(self.slack, priority)]
+        open_replicas = [r for r in self.routable() if r.has_room(self.slack, priority)]
         if not open_replicas:
             return None
         least = min(open_replicas, key=lambda r: (r.load, r.dispatched))
@@ -114,7 +131,7 @@ class ReplicaTable:
 
     def choose_below_share(self, tenant: str, weight: float) -> ReplicaState | None:
         """The least loaded replica where `tenant` may preempt for its fair share of slots, if any."""
-        candidates = [r for r in self.live() if self.is_below_share(r, tenant, weight)]
+        candidates = [r for r in self.routable() if self.is_below_share(r, tenant, weight)]
         return min(candidates, key=lambda r: r.load, default=None)
 
     def is_below_share(self, replica: ReplicaState, tenant: str, weight: float) -> bool:

@@ -30,6 +30,7 @@ from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels
+from kvloom.router.cold_start import ColdStart
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.handles import DetachedHandle
@@ -38,6 +39,8 @@ from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
+from kvloom.router.membership import ReplicaMembership
+from kvloom.router.scaling_log import ScalingLog
 from kvloom.router.reusable_port import bind_http_with_reusable_address
 from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
                                      stream_response)
@@ -62,6 +65,10 @@ class RouterSettings(BaseModel):
     max_request_bytes: int = 4 * 2**20
     metrics_require_admin: bool = False
     disagg_transport: str | None = None  # set: prefill/decode replicas hand KV over this transport
+    replica_deployment: str = "EngineReplica"  # the Serve deployment whose replicas run requests
+    replica_grace_s: float = 5.0  # how long a replica Serve stops keeps its running requests before they move
+    cold_start_timeout_s: float = 300.0
+    scales_from_zero: bool = False  # no replica running is a state the deployment rests in, not "not ready"
 
 
 class TenancySettings(PolicyConfig):
@@ -122,6 +129,11 @@ class Router:
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries,
                                      self.settings.retry_wait_s)
+        self.cold_start = ColdStart(replicas_handle, self.table, self.admission, self.settings.cold_start_timeout_s,
+                                    self.metrics.cold_start.observe)
+        self.membership = ReplicaMembership(self.settings.replica_deployment, self.table, streams,
+                                     self.settings.replica_grace_s) if streams.resumable else None
+        self.scaling_log = ScalingLog()
         self.created = int(time.time())
         self.draining = False
         self.ignored_fields: set[str] = set()  # unknown request fields already logged
@@ -144,10 +156,14 @@ class Router:
     async def report_replica_stats(self, stats: ReplicaStats) -> RouterView:
         """Take a replica's stats; answer how many live replicas (any role) share its node, and the backlog."""
         (self.decode_table if stats.role == "decode" else self.table).report(stats)
+        if self.membership is not None:
+            self.membership.check()
+        self.scaling_log.observe(self.table.live(), len(self.admission), self.dispatcher.ttft_p90_s())
         self.admission.pump()
         live = [r for t in (self.table, self.decode_table) for r in t.live()]
         return RouterView(replicas_on_node=sum(r.stats.node_id == stats.node_id for r in live),
-                          queued_per_replica=len(self.admission) / max(1, len(self.table.live())))
+                          queued_per_replica=len(self.admission) / max(1, len(self.table.live())),
+                          ttft_p90_s=self.dispatcher.ttft_p90_s())
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:
@@ -160,6 +176,10 @@ class Router:
 
     async def in_flight(self) -> int:
         return self.dispatcher.active
+
+    async def scaling_events(self) -> list[dict]:
+        """When replicas joined and left, with the load signals then (`kvloom status`)."""
+        return self.scaling_log.as_dicts()
 
     async def replica_stats(self) -> list[dict]:
         """Every live replica's latest stats, with what this router sent it (`kvloom status`, tests)."""
@@ -248,6 +268,7 @@ class Router:
 
     async def _start(self, job: Job) -> tuple[Chunk, AsyncIterator[Chunk]]:
         """Run until the first chunk, so errors become a proper status before any byte is sent."""
+        self.cold_start.notice()
         stream = self.dispatcher.run(job)
         first = await stream.__anext__()
         if first.error is not None:
@@ -257,10 +278,11 @@ class Router:
 
     # ---- endpoints --------------------------------------------------------------------------
     def _not_ready(self) -> APIError | None:
-        """Why no request could run now (draining, or no replica ready yet), or None."""
+        """Why no request could run now (draining, or no replica ready yet), or None. A deployment that scales
+        from zero is ready with none: a request starts one."""
         if self.draining:
             return _draining()
-        if not self.table.live():
+        if not self.table.routable() and not self.settings.scales_from_zero:
             return APIError(503, "no engine replica is ready yet", code="no_replicas", headers={"Retry-After": "1"})
         return None
 
@@ -269,7 +291,7 @@ class Router:
         """200 while a replica is ready; a quiet 503 (a load balancer polls this) while none is, or draining."""
         if (not_ready := self._not_ready()) is not None:
             return not_ready.response()
-        return {"status": "ok", "replicas": len(self.table.live())}
+        return {"status": "ok", "replicas": len(self.table.routable())}
 
     @api.get("/metrics")
     async def metrics_endpoint(self, request: Request) -> Response:

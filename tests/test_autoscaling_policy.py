@@ -1,11 +1,14 @@
 """kvloom's autoscaling policy turns what replicas report into a replica count: more when requests wait over the
-target, fewer only when the load would fill fewer replicas, KV use proportional both ways. Serve applies the
-bounds and delays; `test_autoscaling.py` runs it under Serve."""
+target or the time to first token is over it, fewer only when the load would fill fewer replicas, KV use
+proportional both ways. Serve applies the bounds and delays; `test_autoscaling.py` runs it under Serve."""
 
 from types import SimpleNamespace
 
-from kvloom.cluster.autoscaling_policy import KV_USAGE, WAITING, LoadSignalPolicy, serve_autoscaling_config
+import pytest
+
+from kvloom.cluster.autoscaling_policy import KV_USAGE, TTFT, WAITING, LoadSignalPolicy, serve_autoscaling_config
 from kvloom.cluster.config import AutoscalingSettings
+from kvloom.router.recent_ttft import RecentTTFT
 
 
 def reports(**per_metric: list[float]) -> dict[str, dict]:
@@ -45,3 +48,24 @@ def test_the_settings_become_serves_config_with_the_policy_and_its_arguments():
     assert config["policy"]["policy_kwargs"] == {"signal": "kv_usage", "target": 0.7, "max_num_seqs": 16}
     module, name = config["policy"]["policy_function"].split(":")
     assert getattr(__import__(module, fromlist=[name]), name) is LoadSignalPolicy
+
+
+def test_a_ttft_over_the_target_asks_for_replicas_in_proportion_and_under_it_the_load_decides():
+    policy = LoadSignalPolicy(TTFT, target=2.0, max_num_seqs=8)
+    assert policy.desired(2, reports(ttft_p90_s=[5.0, 5.0], waiting=[0, 0], running=[8, 8])) == 5
+    assert policy.desired(2, reports(ttft_p90_s=[1.0, 1.0], waiting=[3, 3], running=[8, 8])) == 2
+    assert policy.desired(3, reports(ttft_p90_s=[0.5] * 3, waiting=[0] * 3, running=[4, 2, 0])) == 1
+
+
+def test_scale_to_zero_waits_as_long_as_any_other_downscale():
+    settings = AutoscalingSettings(min_replicas=0, max_replicas=2, target={"ttft_p90_s": 1}, downscale_delay_s=7)
+    assert serve_autoscaling_config(settings, max_num_seqs=8)["downscale_to_zero_delay_s"] == 7
+
+
+def test_the_recent_ttft_is_the_p90_of_the_window_with_waiting_requests_at_their_age():
+    recent = RecentTTFT(window_s=10)
+    for i in range(10):
+        recent.add(0.1 * (i + 1), now=100.0)
+    assert recent.p90([], now=101.0) == pytest.approx(0.9)
+    assert recent.p90([95.0, 96.0], now=101.0) == pytest.approx(5.0)  # two requests waiting 6 s and 5 s
+    assert recent.p90([], now=111.0) == 0.0  # the samples left the window

@@ -71,7 +71,8 @@ AUTOSCALING = "autoscaling:\n  min_replicas: {min}\n  max_replicas: {max}\n  tar
         ({"target": "{kv_usage: 0.8, waiting_per_replica: 4}"}, "autoscaling.target: set exactly one"),
         ({"target": "{kv_usage: 1.5}"}, "autoscaling.target.kv_usage"),
         ({"down": -1}, "autoscaling.downscale_delay_s"),
-        ({"min": 0}, "autoscaling.min_replicas"),
+        ({"min": -1}, "autoscaling.min_replicas"),
+        ({"target": "{ttft_p90_s: 0}"}, "autoscaling.target.ttft_p90_s"),
     ],
 )
 def test_bad_autoscaling_settings_name_the_file_and_field(tmp_path, values, key):
@@ -81,6 +82,16 @@ def test_bad_autoscaling_settings_name_the_file_and_field(tmp_path, values, key)
     with pytest.raises(ClusterConfigError) as err:
         load_cluster_config(path)
     assert str(path) in str(err.value) and key in str(err.value), str(err.value)
+
+
+def test_a_negative_graceful_period_is_refused_and_zero_replicas_at_rest_is_allowed(tmp_path):
+    path = tmp_path / "scaling.yaml"
+    base = AUTOSCALING.format(min=0, max=2, target="{ttft_p90_s: 2.5}", down=30)
+    path.write_text(base + "  graceful_period_s: -1\n")
+    with pytest.raises(ClusterConfigError, match="autoscaling.graceful_period_s"):
+        load_cluster_config(path)
+    path.write_text(base)
+    assert load_cluster_config(path).autoscaling.min_replicas == 0
 
 
 def test_one_way_of_scaling_at_a_time(tmp_path):
