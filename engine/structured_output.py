@@ -22,6 +22,7 @@ import re
 import torch
 
 from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.model.fast_tokenizer import as_huggingface
 from kvloom.engine.sampling import StructuredOutputs
 
 COMPILED_CACHE_SIZE = 256  # constraints kept compiled (clients tend to reuse a few schemas)
@@ -53,7 +54,7 @@ class GrammarCompiler:
     def _compiler(self):
         import xgrammar
 
-        info = xgrammar.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+        info = xgrammar.TokenizerInfo.from_huggingface(as_huggingface(self.tokenizer), vocab_size=self.vocab_size,
                                                        stop_token_ids=self.end_token_ids)
         return xgrammar.GrammarCompiler(info, max_threads=1)
 

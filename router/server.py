@@ -23,6 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
@@ -45,7 +46,6 @@ from kvloom.router.reusable_port import bind_http_with_reusable_address
 from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
                                      stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
-from kvloom.router.tokenizer import load_router_tokenizer
 from kvloom.router.vtc import VirtualCounters
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class Router:
         serve_logger_as_json()
         bind_http_with_reusable_address()  # Serve binds this replica's direct-ingress port once __init__ returns
         self.settings = RouterSettings(**settings)
-        self.tokenizer = load_router_tokenizer(resolve_model_dir(self.settings.model))
+        self.tokenizer = load_fast_tokenizer(resolve_model_dir(self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)

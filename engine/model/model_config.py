@@ -74,6 +74,13 @@ class ModelConfig:
         return 2 * self.num_key_value_heads * self.head_dim * torch.finfo(dtype).bits // 8 * self.num_hidden_layers
 
     @cached_property
+    def rope_parameters(self) -> dict:
+        """RoPE's settings as transformers 5 writes them (`rope_parameters` in config.json, read without importing
+        transformers); a config in the older form (`rope_theta`, `rope_scaling`) is read by transformers."""
+        params = self.raw.get("rope_parameters")
+        return dict(params) if isinstance(params, dict) else dict(self.transformers_config.rope_parameters or {})
+
+    @cached_property
     def transformers_config(self):
         """transformers' generic config over the same JSON (no model class imported)."""
         from transformers import PreTrainedConfig

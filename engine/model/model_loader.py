@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 
 from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.model.decoder import FusedDecoder
+from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
@@ -21,13 +22,11 @@ from kvloom.engine.tensor_parallel.tp_shards import RankShard, ShardedCheckpoint
 
 
 def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
-    """The model's tokenizer, picked by AutoTokenizer from the generic config (see `model_config.py`)."""
-    from transformers import AutoTokenizer
-
+    """The model's tokenizer (fast_tokenizer.py: transformers' only for a folder without tokenizer.json)."""
     config = config or ModelConfig.from_dir(model_dir)
     try:
-        return AutoTokenizer.from_pretrained(model_dir, config=config.transformers_config, local_files_only=True)
-    except (OSError, ValueError) as exc:
+        return load_fast_tokenizer(model_dir, config)
+    except Exception as exc:  # `tokenizers` raises a bare Exception for a file it cannot parse
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {exc}") from exc
 
 

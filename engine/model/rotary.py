@@ -1,7 +1,8 @@
 """Rotary position embedding tables for the fused decoder, computed as transformers computes them.
 
-The inverse frequencies come from transformers' own RoPE functions (`modeling_rope_utils`, which does not
-import the model classes), so scaled variants (linear, llama3, yarn) match the stock forward exactly.
+The default RoPE is computed here; scaled variants (linear, llama3, yarn) take their inverse frequencies from
+transformers' own RoPE functions (`modeling_rope_utils`, which does not import the model classes), so they
+match the stock forward exactly.
 Variants whose frequencies change with the sequence length (dynamic NTK, LongRoPE) are not covered.
 """
 
@@ -16,7 +17,7 @@ LENGTH_DEPENDENT_TYPES = {"dynamic", "longrope"}
 
 def unsupported_rope(config: ModelConfig) -> str | None:
     """Why the fused decoder cannot run this model's RoPE, or None if it can."""
-    params = config.transformers_config.rope_parameters or {}
+    params = config.rope_parameters
     rope_type = params.get("rope_type", "default")
     if rope_type in LENGTH_DEPENDENT_TYPES:
         return f"RoPE type '{rope_type}' (its frequencies depend on the sequence length)"
@@ -34,15 +35,14 @@ class RotaryEmbedding:
 
     @classmethod
     def of(cls, config: ModelConfig, device: torch.device) -> "RotaryEmbedding":
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-        hf_config = config.transformers_config
-        params = hf_config.rope_parameters
-        if params["rope_type"] == "default":
+        params = config.rope_parameters
+        if params.get("rope_type", "default") == "default":
             dim = config.head_dim
             inv_freq, scaling = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
         else:
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](hf_config, device)
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config.transformers_config, device)
         return cls(inv_freq.to(device=device, dtype=torch.float), float(scaling))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
