@@ -1,18 +1,21 @@
 """The time to first token clients see now: the autoscaler's `ttft_p90_s` signal.
 
 The p90 of the last `window_s` seconds' first tokens, with each request still waiting for its first token
-counted at its age so far: a backlog raises the figure while it builds, not only once it is served.
+counted at its age so far: a backlog raises the figure while it builds, not only once it is served. At most
+MAX_SAMPLES of the latest first tokens are kept (the router computes the figure on every stats push).
 """
 
 import math
 import time
 from collections import deque
 
+MAX_SAMPLES = 4096
+
 
 class RecentTTFT:
     def __init__(self, window_s: float = 30.0) -> None:
         self.window_s = window_s
-        self._samples: deque[tuple[float, float]] = deque()  # (when, seconds)
+        self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (when, seconds)
 
     def add(self, seconds: float, now: float | None = None) -> None:
         self._samples.append((time.monotonic() if now is None else now, seconds))
