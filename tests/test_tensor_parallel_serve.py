@@ -101,7 +101,7 @@ def test_a_streamed_completion_equals_the_offline_engine(served, offline_text):
     assert "on each of 2 tensor-parallel ranks" in log.read_text()
 
 
-def test_status_shows_one_replica_with_its_ranks_and_their_placement(served):
+def test_status_shows_one_replica_with_its_ranks_their_placement_its_start_and_its_arrival(served):
     shown = status(served[1])
     assert "1 replica(s)" in shown
     lines = shown.splitlines()
@@ -110,6 +110,10 @@ def test_status_shows_one_replica_with_its_ranks_and_their_placement(served):
     assert [r.split(":")[0] for r in ranks] == ["rank 0", "rank 1"]
     assert "KV heads 0-1 (2 of 3)" in ranks[0] and "KV heads 2-2 (1 of 3)" in ranks[1]  # the uneven split
     assert all(" node " in f" {r}" for r in ranks)
+    started = next(line.strip() for line in lines if line.strip().startswith("started in "))
+    assert all(phase in started for phase in ("process start", "model files and tokenizer", "ranks", "warm-up"))
+    joined = lines[lines.index("replicas over time (the router's load signals when each joined or left):") + 1]
+    assert " 1 replica(s)  +" in joined and "waiting/replica" in joined  # the replica's arrival, logged
 
 
 def test_killing_a_rank_mid_stream_continues_on_the_replacement_serve_brings_back(served, offline_text):
