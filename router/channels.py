@@ -50,6 +50,11 @@ class ReplicaChannels:
             self._closing[replica_id] = error
             listener.cancel()
 
+    def close_all(self, error: ReplicaGone) -> None:
+        """Stop reading every replica's channel (the router is stopping)."""
+        for replica_id in list(self._listeners):
+            self.close(replica_id, error)
+
     def listen(self, replica_id: str) -> None:
         """Make sure the replica's channel is being read (opened on the first request sent there)."""
         if replica_id not in self._listeners:

@@ -30,7 +30,7 @@ from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequ
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
-from kvloom.router.channels import ReplicaChannels
+from kvloom.router.channels import ReplicaChannels, ReplicaGone
 from kvloom.router.cold_start import ColdStart
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
@@ -173,6 +173,13 @@ class Router:
         if not self.table.live():
             self.admission.refuse_queued(_draining())
         return self.dispatcher.active
+
+    async def __del__(self) -> None:
+        """Serve stops the router: its output channels close, so each replica's drain finds no ongoing call and
+        the replica stops at once instead of waiting out its graceful period (a channel outlives its last
+        request, and a dead caller does not end it)."""
+        if isinstance(self.dispatcher.streams, ReplicaChannels):  # disaggregated streams hold no channel
+            self.dispatcher.streams.close_all(ReplicaGone("the router is stopping"))
 
     async def in_flight(self) -> int:
         return self.dispatcher.active
