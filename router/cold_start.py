@@ -26,18 +26,12 @@ class ColdStart:
         """`observe(seconds)` records each cold start's duration."""
         self.handle, self.table, self.admission, self.timeout_s = replicas_handle, table, admission, timeout_s
         self.observe = observe or (lambda seconds: None)
-        self._waiting: asyncio.Task | None = None
-        self.done = asyncio.Event()  # set when a cold start ends (a replica ready, or the router stopping)
-
-    @property
-    def underway(self) -> bool:
-        return self._waiting is not None
+        self.waiting: asyncio.Task | None = None  # the cold start under way, if any
 
     def notice(self) -> None:
         """A request is about to queue: with no replica live, make sure one is on its way."""
-        if self._waiting is None and not self.table.routable():
-            self.done.clear()
-            self._waiting = asyncio.get_running_loop().create_task(self._wait_for_replica())
+        if self.waiting is None and not self.table.routable():
+            self.waiting = asyncio.get_running_loop().create_task(self._wait_for_replica())
 
     async def _wait_for_replica(self) -> None:
         started = time.monotonic()
@@ -54,5 +48,4 @@ class ColdStart:
             self.observe(seconds)
         finally:
             call.cancel()
-            self._waiting = None
-            self.done.set()
+            self.waiting = None

@@ -131,8 +131,11 @@ class Router:
                                      self.settings.retry_wait_s)
         self.cold_start = ColdStart(replicas_handle, self.table, self.admission, self.settings.cold_start_timeout_s,
                                     self.metrics.cold_start.observe)
-        self.membership = ReplicaMembership(self.settings.replica_deployment, self.table, streams,
-                                     self.settings.replica_grace_s) if streams.resumable else None
+        # colocated replicas stream back over long-lived channels, which the router closes when a replica
+        # leaves or the router stops; disaggregated streams hold none
+        self.channels = streams if isinstance(streams, ReplicaChannels) else None
+        self.membership = ReplicaMembership(self.settings.replica_deployment, self.table, self.channels,
+                                            self.settings.replica_grace_s) if self.channels else None
         self.scaling_log = ScalingLog()
         self.created = int(time.time())
         self.draining = False
@@ -158,12 +161,12 @@ class Router:
         (self.decode_table if stats.role == "decode" else self.table).report(stats)
         if self.membership is not None:
             self.membership.check()
-        self.scaling_log.observe(self.table.live(), len(self.admission), self.dispatcher.ttft_p90_s())
+        replicas, ttft_p90_s = self.table.live(), self.dispatcher.ttft_p90_s()
+        self.scaling_log.observe(replicas, len(self.admission), ttft_p90_s)
         self.admission.pump()
-        live = [r for t in (self.table, self.decode_table) for r in t.live()]
+        live = replicas + self.decode_table.live()
         return RouterView(replicas_on_node=sum(r.stats.node_id == stats.node_id for r in live),
-                          queued_per_replica=len(self.admission) / max(1, len(self.table.live())),
-                          ttft_p90_s=self.dispatcher.ttft_p90_s())
+                          queued_per_replica=len(self.admission) / max(1, len(replicas)), ttft_p90_s=ttft_p90_s)
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:
@@ -178,8 +181,8 @@ class Router:
         """Serve stops the router: its output channels close, so each replica's drain finds no ongoing call and
         the replica stops at once instead of waiting out its graceful period (a channel outlives its last
         request, and a dead caller does not end it)."""
-        if isinstance(self.dispatcher.streams, ReplicaChannels):  # disaggregated streams hold no channel
-            self.dispatcher.streams.close_all(ReplicaGone("the router is stopping"))
+        if self.channels is not None:
+            self.channels.close_all(ReplicaGone("the router is stopping"))
 
     async def in_flight(self) -> int:
         return self.dispatcher.active

@@ -161,12 +161,14 @@ async def test_a_request_that_finds_no_replica_asks_serve_for_one_and_is_served_
     cold_start.notice()  # one call waits for all
     waiting = asyncio.create_task(admission.acquire(Ticket("first", [])))
     await asyncio.sleep(0)
-    assert handle.calls == 1 and cold_start.underway and not waiting.done()
+    cold_starting = cold_start.waiting
+    assert handle.calls == 1 and cold_starting is not None and not waiting.done()
 
     table.report(ReplicaStats("a", max_num_seqs=4))
     admission.pump()
     assert (await waiting).replica_id == "a"
-    await asyncio.wait_for(cold_start.done.wait(), 5)
+    await asyncio.wait_for(cold_starting, 5)
+    assert cold_start.waiting is None
     assert handle.cancelled == 1 and len(started) == 1
 
 

@@ -8,7 +8,7 @@ would map torch, ~250 MB of its ~440 MB). This reads tokenizer.json with `tokeni
 sandboxed environment with trimmed blocks, its `tojson`, `raise_exception` and `strftime_now`, the special
 tokens as variables, `None`-valued message fields dropped, and the rendered text encoded without adding special
 tokens (the template writes them). What needs transformers' own tokenizer object (xgrammar's vocabulary, for
-structured outputs) loads it on first use (`huggingface()`). A folder with no tokenizer.json (a slow,
+structured outputs) loads it on first use (`huggingface`). A folder with no tokenizer.json (a slow,
 sentencepiece-only tokenizer) gets transformers' tokenizer, which has the same methods.
 """
 
@@ -38,7 +38,7 @@ def load_fast_tokenizer(model_dir: Path, model_config=None):
 
 def as_huggingface(tokenizer):
     """transformers' tokenizer object for a library that wants one."""
-    return tokenizer.huggingface() if isinstance(tokenizer, FastTokenizer) else tokenizer
+    return tokenizer.huggingface if isinstance(tokenizer, FastTokenizer) else tokenizer
 
 
 def _compile_template(source: str):
@@ -63,7 +63,7 @@ class FastTokenizer:
     """The part of transformers' tokenizer API kvloom uses, on `tokenizers` and jinja2 alone."""
 
     def __init__(self, model_dir: Path, model_config=None) -> None:
-        """`model_config`: what `huggingface()` passes on (see `huggingface_tokenizer`)."""
+        """`model_config`: what `huggingface` passes on (see `huggingface_tokenizer`)."""
         from tokenizers import Tokenizer
 
         self.model_dir, self.model_config = model_dir, model_config
@@ -86,8 +86,9 @@ class FastTokenizer:
     def eos_token_id(self) -> int | None:
         return self.backend_tokenizer.token_to_id(self.eos_token) if self.eos_token else None
 
-    @functools.cache
+    @functools.cached_property
     def huggingface(self):
+        """transformers' tokenizer for the same folder, loaded on first use."""
         return huggingface_tokenizer(self.model_dir, self.model_config)
 
     def __len__(self) -> int:
@@ -101,7 +102,7 @@ class FastTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         if self.clean_up_tokenization_spaces:  # what transformers does after the backend: leave it to it
-            return self.huggingface().decode(token_ids, skip_special_tokens=skip_special_tokens)
+            return self.huggingface.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return self.backend_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
     def convert_ids_to_tokens(self, token_ids: list[int]) -> list[str | None]:
