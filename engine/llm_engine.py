@@ -9,9 +9,9 @@ engines can share a process.
 import itertools
 import time
 
-import torch
 
 from kvloom.engine.config import EngineConfig
+from kvloom.engine.counter_draws import seed_words
 from kvloom.engine.detokenizer import token_decoder
 from kvloom.engine.engine_stats import EngineStats
 from kvloom.engine.errors import InvalidRequestError
@@ -90,7 +90,6 @@ class LLMEngine:
         spec = config.speculative_config
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
-        self.generators: dict[str, torch.Generator] = {}  # per request: its draws are its own
         self._seed_counter = itertools.count(config.seed * 1_000_003)
 
     def _runner(self, num_blocks: int) -> ModelRunner:
@@ -132,12 +131,11 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def register_request(self, request: Request) -> None:
-        """Per-request engine state: generator, detokenizer, and the id table."""
+        """Per-request engine state: its draws' seed, detokenizer, and the id table."""
         if request.request_id in self.requests or self.handoffs.holds(request.request_id):
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
         seed = request.sampling_params.seed
-        self.generators[request.request_id] = torch.Generator(self.device).manual_seed(
-            seed if seed is not None else next(self._seed_counter))
+        request.draw_seed = seed_words(seed if seed is not None else next(self._seed_counter))
         self.outputs.track(request)
         self.requests[request.request_id] = request
 
@@ -183,12 +181,12 @@ class LLMEngine:
             return []
         self.runner.copy_blocks(out.block_copies)
         if self.speculator is not None:
-            self.speculator.draft(out.scheduled, self.generators)
+            self.speculator.draft(out.scheduled)
         now = time.monotonic()
         for request, _ in out.scheduled:
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
-        sampled = self.runner.execute(out.scheduled, self.generators)
+        sampled = self.runner.execute(out.scheduled)
         if self.speculator is not None:
             self.speculator.record(out.scheduled, sampled)
         advanced = self.scheduler.update_from_output(
@@ -211,7 +209,6 @@ class LLMEngine:
 
     def _finished(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         self.requests.pop(request.request_id, None)
-        self.generators.pop(request.request_id, None)
         return self.outputs.output(request, new_tokens)
 
     # ---- counters ---------------------------------------------------------------------------

@@ -2,10 +2,12 @@
 logit_bias, vLLM's repetition_penalty and min_tokens.
 
 Built once per request, and only for a request that asks for one of them, so a batch of plain requests
-pays one `is None` per row. A row that is adjusted is widened to float32 alone (the batch's logits stay
-in the model's dtype); the logprobs a request gets back stay the model's own, as vLLM returns by default.
+pays one `is None` per row. The sampler hands the rows that are adjusted (widened to float32; the batch's
+logits stay in the model's dtype) to `adjust_rows`, which changes them all at once; the logprobs a request
+gets back stay the model's own, as vLLM returns by default.
 """
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -37,19 +39,40 @@ class LogitsAdjuster:
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
                     or self.bias or (self.min_tokens and self.end_token_ids))
 
-    def apply(self, logits: torch.Tensor, token_ids: list[int], num_prompt_tokens: int) -> torch.Tensor:
-        """`logits`: one row, float32, changed in place and returned; `token_ids`: prompt then output."""
-        output = token_ids[num_prompt_tokens:]
-        if self.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(token_ids)), dtype=torch.long)
-            values = logits[seen]
-            logits[seen] = torch.where(values > 0, values / self.repetition_penalty, values * self.repetition_penalty)
-        if (self.presence_penalty or self.frequency_penalty) and output:
-            counts = torch.bincount(torch.tensor(output, dtype=torch.long), minlength=logits.shape[-1])
-            logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0)
-        if self.bias:
-            ids, values = zip(*self.bias)
-            logits[list(ids)] += torch.tensor(values, dtype=logits.dtype)
-        if len(output) < self.min_tokens and self.end_token_ids:
-            logits[list(self.end_token_ids)] = float("-inf")
-        return logits
+
+def adjust_rows(logits: torch.Tensor, requests: list) -> None:
+    """Apply each request's adjuster (if any) to its row of float32 `logits` [rows, vocab], in place, every row
+    at once: each kind of change touches only the (row, token) pairs it changes, sent to the device as one
+    tensor. `requests`: engine Requests (their adjuster, token ids and prompt length)."""
+    device = logits.device
+    adjusted = [(row, r.logits_adjuster, r.token_ids, r.num_prompt_tokens)
+                for row, r in enumerate(requests) if r.logits_adjuster is not None]
+    if not adjusted:
+        return
+    repeated = [(row, token, a.repetition_penalty) for row, a, tokens, _ in adjusted
+                if a.repetition_penalty != 1.0 for token in sorted(set(tokens))]
+    if repeated:
+        rows, tokens, penalty = _columns(repeated, device)
+        values = logits[rows, tokens]
+        logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
+    penalties = [(row, token, a.frequency_penalty * count + a.presence_penalty)
+                 for row, a, tokens, prompt in adjusted if a.presence_penalty or a.frequency_penalty
+                 for token, count in Counter(tokens[prompt:]).items()]
+    if penalties:  # OpenAI: frequency per occurrence in the output, presence once
+        rows, tokens, values = _columns(penalties, device)
+        logits.index_put_((rows, tokens), -values, accumulate=True)
+    biased = [(row, token, value) for row, a, _, _ in adjusted for token, value in a.bias]
+    if biased:
+        rows, tokens, values = _columns(biased, device)
+        logits.index_put_((rows, tokens), values, accumulate=True)
+    banned = [(row, token) for row, a, tokens, prompt in adjusted
+              if len(tokens) - prompt < a.min_tokens for token in a.end_token_ids]
+    if banned:
+        rows, tokens = _columns(banned, device)
+        logits[rows, tokens] = float("-inf")
+
+
+def _columns(rows: list[tuple], device: torch.device) -> list[torch.Tensor]:
+    """Columns of a list of tuples as device tensors (ints as int64, floats as float32), one copy."""
+    table = torch.tensor(rows, dtype=torch.float64).to(device)
+    return [column.long() if isinstance(value, int) else column.float() for column, value in zip(table.T, rows[0])]

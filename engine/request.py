@@ -40,6 +40,7 @@ class Request:
     logits_adjuster: LogitsAdjuster | None = None  # penalties, logit_bias, min_tokens: None when none asked
     grammar: OutputGrammar | None = None  # structured outputs: the matcher of the output so far
     fork_of: str | None = None  # n > 1: the sibling whose prompt KV this one shares (Scheduler._fork_source)
+    draw_seed: tuple[int, int] = (0, 0)  # its draws' seed words (counter_draws); the engine sets them
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens

@@ -104,7 +104,7 @@ def profile_cuda_budget(config: EngineConfig, device: torch.device, make_runner:
     runner = make_runner(blocks)
     probe = Request("profile", [0] * tokens, SamplingParams(max_tokens=1, temperature=0))
     probe.block_ids = list(range(blocks))
-    runner.execute([(probe, tokens)], {"profile": torch.Generator(device)})
+    runner.execute([(probe, tokens)])
     peak = torch.cuda.max_memory_allocated(device)
     del runner
     torch.cuda.empty_cache()

@@ -84,20 +84,17 @@ class ModelRunner:
             value_cache.index_copy_(0, index, layer[1])
 
     @torch.inference_mode()
-    def execute(
-        self, scheduled: list[tuple[Request, int]], generators: dict[str, torch.Generator]
-    ) -> dict[str, list[SampledToken]]:
+    def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of each request whose known tokens are all computed: one,
         or with drafted tokens (`spec_token_ids`, computed in this step too) those kept and the next."""
         inputs, sample_requests = self.prepare(scheduled)
         logits = self.forward(inputs)
         if not sample_requests:
             return {}
-        request_generators = [generators[r.request_id] for r in sample_requests]
         if len(inputs.sample_rows) > len(sample_requests):
-            tokens = verify(logits, sample_requests, request_generators)
+            tokens = verify(logits, sample_requests)
         else:
-            tokens = [[token] for token in sample(logits, sample_requests, request_generators)]
+            tokens = [[token] for token in sample(logits, sample_requests)]
         return {r.request_id: t for r, t in zip(sample_requests, tokens)}
 
     def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:

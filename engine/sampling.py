@@ -32,7 +32,7 @@ class SamplingParams(BaseModel):
     temperature: float = Field(1.0, ge=0.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="what torch.Generator.manual_seed takes")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, description="the draws of its i-th token depend on (seed, i) alone")
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False

@@ -87,12 +87,14 @@ def _reason(exc: RuntimeError) -> str:
 
 
 def mask_disallowed(logits: torch.Tensor, grammars: list[OutputGrammar], rows: list[int]) -> None:
-    """Set to -inf, in place, every token the rows' grammars do not allow next."""
+    """Set to -inf, in place, every token the rows' grammars do not allow next. The matchers fill a packed
+    bitmask on the host (32 tokens a word); that goes to the logits' device, where it is unpacked and applied."""
     words = -(-logits.shape[-1] // 32)
-    bitmask = torch.empty(len(rows), words, dtype=torch.int32)
+    bitmask = torch.empty(len(rows), words, dtype=torch.int32, pin_memory=logits.device.type == "cuda")
     for i, grammar in enumerate(grammars):
         grammar.fill(bitmask, i)
-    bits = torch.arange(32, dtype=torch.int32)
+    bitmask = bitmask.to(logits.device, non_blocking=True)
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, : logits.shape[-1]]
     index = torch.tensor(rows, device=logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

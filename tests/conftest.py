@@ -219,6 +219,24 @@ def run_to_completion(engine, prompts, params, arrivals: dict[int, list[int]] | 
     return [finished[f"r{i}"] for i in range(len(prompts))]
 
 
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of the counts against `probs` (cells expecting fewer than 5 pooled into one): its p-value,
+    the chi-square survival function, is the regularized upper incomplete gamma function."""
+    expected = probs.double() / probs.sum() * counts.sum()
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)]).double()
+    expected = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    degrees = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), statistic / 2))
+
+
+@pytest.fixture(scope="session", name="chi_square_p")
+def chi_square_fixture():
+    return chi_square_p
+
+
 @pytest.fixture(scope="session")
 def greedy_reference():
     return hf_greedy

@@ -1,6 +1,6 @@
 """What each SamplingParams knob does to the tokens and text a request gets back.
 
-Sampling is per request: a seeded request draws from its own generator, so it gets the same
+Sampling is per request: a seeded request's i-th token draws from (seed, i) alone, so it gets the same
 tokens alone or batched with any neighbours in any order. top_k=1, a tiny top_p and temperature 0
 all reduce to greedy. Penalties, logit_bias and min_tokens follow their OpenAI and vLLM definitions.
 logprobs are the model's log-softmax (raw logits, before temperature), the chosen token first. Stops end a request with finish_reason "stop" and say why in stop_reason. On

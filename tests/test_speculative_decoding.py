@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvloom.engine.config import EngineConfig, SpeculativeConfig
+from kvloom.engine.counter_draws import seed_words
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.speculation.model_proposers import Proposer
@@ -140,30 +141,17 @@ def test_under_chunked_prefill_preemption_prefix_hits_and_aborts(target, prompts
 # ---- sampling stays exact -------------------------------------------------------------------------------
 
 
-def request_with_drafts(params: SamplingParams, drafts: list[int], draft_probs=None) -> Request:
-    request = Request("r", [1, 2, 3], params)
+def request_with_drafts(params: SamplingParams, drafts: list[int], draft_probs=None, seed: int = 0) -> Request:
+    request = Request("r", [1, 2, 3], params, draw_seed=seed_words(seed))
     request.spec_token_ids, request.spec_probs = drafts, draft_probs
     return request
-
-
-def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of the counts against `probs` (cells expecting fewer than 5 pooled into one): its p-value,
-    the chi-square survival function, is the regularized upper incomplete gamma function."""
-    expected = probs.double() / probs.sum() * counts.sum()
-    big = expected >= 5
-    observed = torch.cat([counts[big], counts[~big].sum(0, keepdim=True)]).double()
-    expected = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
-    keep = expected > 0
-    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    degrees = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(degrees / 2, dtype=torch.float64), statistic / 2))
 
 
 @pytest.mark.parametrize("params", [
     SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.3, top_p=0.7)],
     ids=["temperature", "top-k", "top-p"])
 @pytest.mark.parametrize("draft", ["point-mass", "poor-draft-model"])
-def test_rejection_sampling_keeps_the_target_distribution(params, draft):
+def test_rejection_sampling_keeps_the_target_distribution(params, draft, chi_square_p):
     torch.manual_seed(0)
     vocab, draws = 12, 6000
     target_logits = torch.randn(3, vocab) * 2  # two drafted positions and the bonus position
@@ -171,12 +159,12 @@ def test_rejection_sampling_keeps_the_target_distribution(params, draft):
     # has little to do with the target's, its drafts drawn from it
     fixed = [int(target_logits[0].argmax()), 7]
     draft_probs = torch.softmax(torch.randn(2, vocab) * 3, -1) if draft == "poor-draft-model" else None
-    generator, draft_generator = torch.Generator().manual_seed(1234), torch.Generator().manual_seed(99)
+    draft_generator = torch.Generator().manual_seed(99)
     first = torch.zeros(vocab)
     accepted_first = 0
-    for _ in range(draws):
+    for seed in range(draws):  # each draw a request with its own seed: counter-based draws at the same position
         drafts = fixed if draft_probs is None else torch.multinomial(draft_probs, 1, generator=draft_generator)[:, 0].tolist()
-        kept = verify(target_logits, [request_with_drafts(params, drafts, draft_probs)], [generator])[0]
+        kept = verify(target_logits, [request_with_drafts(params, drafts, draft_probs, seed)])[0]
         first[kept[0].token_id] += 1
         accepted_first += len(kept) > 1
     p = sampling_probs(target_logits[0], params)
@@ -190,9 +178,9 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_target_token_afte
     for row, token in enumerate([4, 6, 1, 8]):
         logits[row, token] = 5.0
     greedy = SamplingParams(temperature=0)
-    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 2])], [torch.Generator()])[0]
+    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 2])])[0]
     assert [t.token_id for t in kept] == [4, 6, 1]
-    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 1])], [torch.Generator()])[0]
+    kept = verify(logits, [request_with_drafts(greedy, [4, 6, 1])])[0]
     assert [t.token_id for t in kept] == [4, 6, 1, 8]
 
 
@@ -208,6 +196,7 @@ class FixedDrafts(Proposer):
 
 @pytest.mark.parametrize("proposer", ["fixed-drafts", "poor-draft-model"])
 def test_sampled_engine_outputs_keep_the_target_distribution_with_a_poor_proposer(tiny_model_dir, build_tiny_model,
+                                                                                  chi_square_p,
                                                                                   tmp_path, proposer):
     """The second output token is the first verified against a draft: over many seeds its distribution
     is the target's, p(x2) = sum over x1 of p(x1) p(x2 | x1), computed with transformers. The drafts are

@@ -24,6 +24,7 @@ from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.block_pool import BlockPool, KVBlock
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.request import Request
+from kvloom.engine.counter_draws import Lane, uniform
 from kvloom.engine.sampler import draw, sampling_probs
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.metadata import AttentionMetadata
@@ -35,7 +36,7 @@ class Proposer:
     def propose(self, request: Request, k: int) -> list[int]:
         raise NotImplementedError
 
-    def draft(self, requests: list[Request], generators: dict[str, torch.Generator]) -> None:
+    def draft(self, requests: list[Request]) -> None:
         """Fill the placeholders of the scheduled requests' drafts (proposers that need the step's slots)."""
 
     def forget(self, running: list[Request]) -> None:
@@ -59,7 +60,7 @@ class ModelProposer(Proposer):
         return request.block_ids
 
     @torch.inference_mode()
-    def draft(self, requests: list[Request], generators: dict[str, torch.Generator]) -> None:
+    def draft(self, requests: list[Request]) -> None:
         requests = [r for r in requests if r.spec_token_ids]
         draft_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         for j in range(max((len(r.spec_token_ids) for r in requests), default=0)):
@@ -86,7 +87,7 @@ class ModelProposer(Proposer):
                     r.spec_token_ids[j] = greedy_tokens[row]
                     continue
                 q = sampling_probs(logits[row].float(), params)
-                r.spec_token_ids[j] = draw(q, generators[r.request_id])
+                r.spec_token_ids[j] = draw(q, uniform(r.draw_seed, r.num_output_tokens + j, Lane.DRAFT))
                 draft_probs[r.request_id].append(q)
         for r in requests:
             if draft_probs[r.request_id]:

@@ -9,7 +9,6 @@ target's logits (penalties, logit_bias, min_tokens, a structured-output grammar)
 
 from dataclasses import dataclass, field
 
-import torch
 
 from kvloom.engine.config import SpeculativeConfig
 from kvloom.engine.model.decoder import FusedDecoder
@@ -65,9 +64,9 @@ class Speculator:
             if k > 0:
                 request.spec_token_ids = self.proposer.propose(request, k)
 
-    def draft(self, scheduled: list[tuple[Request, int]], generators: dict[str, torch.Generator]) -> None:
+    def draft(self, scheduled: list[tuple[Request, int]]) -> None:
         """After scheduling: model proposers fill in the drafts the scheduler kept."""
-        self.proposer.draft([r for r, _ in scheduled], generators)
+        self.proposer.draft([r for r, _ in scheduled])
 
     def _room(self, request: Request) -> int:
         """Drafts this request may take: 0 unless it is decoding plainly; never past max_tokens or the context."""
