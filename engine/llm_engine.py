@@ -30,7 +30,7 @@ from kvloom.engine.resources import (check_batch_limits, kv_block_count, profile
 from kvloom.engine.runner import ModelRunner
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.scheduler import Scheduler, SchedulerLimits
-from kvloom.engine.speculation.speculative import SpecDecodeStats, build_speculator
+from kvloom.engine.speculation.speculative import SpecDecodeStats, build_speculator, load_draft
 from kvloom.engine.startup_times import StartupTimes
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
@@ -70,6 +70,10 @@ class LLMEngine:
         # under tensor parallelism every rank holds the same blocks, each with its own KV heads: the widest
         # rank's share sets how many fit its budget
         bytes_per_token = max(s.local_config(self.model_config).kv_bytes_per_token(self.kv_dtype) for s in self.shards)
+        spec = config.speculative_config
+        self.draft = load_draft(spec, self) if spec and spec.method == "draft_model" else None
+        if self.draft is not None:  # its cache holds as many blocks as the target's: one budget pays for both
+            bytes_per_token += self.draft.config.kv_bytes_per_token(self.kv_dtype)
         self.num_blocks = kv_block_count(config, self.device, bytes_per_token, self.max_model_len,
                                          lambda: profile_cuda_budget(config, self.device, self._runner))
         check_batch_limits(config, self.max_model_len)
@@ -87,7 +91,6 @@ class LLMEngine:
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000), self.kv)
         self.step_seconds = 0.0  # see EngineStats.step_seconds
-        spec = config.speculative_config
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
         self._seed_counter = itertools.count(config.seed * 1_000_003)

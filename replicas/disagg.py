@@ -67,7 +67,7 @@ class PrefillReplica(EngineReplica):
         header, payload = await self.engine.run_on_engine(lambda engine: export_kv(engine, request_id))
         group = await self.pairs.group(self.replica_id, decode_replica, store_address)
         try:
-            await send_kv(group, tag, header, payload)
+            await send_kv(group, tag, header, payload, decode_replica)
         except Exception:
             self.pairs.forget(decode_replica)
             raise
@@ -101,9 +101,11 @@ class DecodeReplica(EngineReplica):
         else:
             group = await self.pairs.group(transfer["prefill_replica"], self.replica_id, None)
             try:
-                header = await recv_header(group, transfer["tag"], self.engine.device)
+                peer = transfer["prefill_replica"]
+                header = await recv_header(group, transfer["tag"], self.engine.device, peer)
                 header.check_matches(local)
-                payload = await recv_payload(group, transfer["tag"], header, local.torch_dtype, self.engine.device)
+                payload = await recv_payload(group, transfer["tag"], header, local.torch_dtype, self.engine.device,
+                                             peer)
             except Exception:
                 self.pairs.forget(transfer["prefill_replica"])
                 raise

@@ -125,6 +125,7 @@ def test_under_chunked_prefill_preemption_prefix_hits_and_aborts(target, prompts
     # 20 blocks of 16 tokens for 8 concurrent requests of ~30-60 prompt tokens and up to 48 more:
     # preemption; chunks of 64 tokens; the second round finds the prompts' blocks in the prefix cache.
     bytes_per_token = 2 * 4 * 3 * 64 * 4  # K and V, 4 layers, 3 KV heads of 64, float32
+    bytes_per_token *= 2 if method == "draft_model" else 1  # the draft (the target itself) has its own cache
     engine = smollm2_engine(target, method_config(method, target), kv_cache_memory_bytes=20 * 16 * bytes_per_token,
                             max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64)
     assert run(engine, prompts, mixed_params()) == without_speculation
@@ -330,6 +331,21 @@ def test_drafts_never_run_past_max_tokens(tiny_model_dir):
                 assert out.outputs[0].token_ids == expected[tuple(out.prompt_token_ids)]
     stats = engine.spec_decode_stats
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+
+
+def test_a_draft_models_kv_cache_comes_out_of_the_same_budget(tiny_model_dir):
+    """Both caches hold the same number of blocks; the budget pays for both (it once paid the target's alone and
+    the draft's came on top)."""
+    budget = 1 << 22
+    engine = LLMEngine(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=budget, max_model_len=256,
+                       speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                           "model": str(tiny_model_dir)})
+
+    def size(caches) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in caches)
+
+    both = size(engine.runner.kv_caches) + size(engine.speculator.proposer.kv_caches)
+    assert budget - both // engine.num_blocks < both <= budget
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kvloom.engine.config import SpeculativeConfig
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.errors import ConfigError
-from kvloom.engine.model.model_loader import load_model
+from kvloom.engine.model.model_loader import LoadedModel, load_model
 from kvloom.engine.speculation.model_proposers import (DraftModelProposer, LayerSkipProposer, Proposer,
                                            check_draft_vocabulary)
 from kvloom.engine.speculation.ngram_proposer import NgramProposer
@@ -99,7 +99,7 @@ def build_speculator(config: SpeculativeConfig, engine) -> Speculator:
     elif config.method == "layer_skip":
         proposer = _layer_skip(config, engine)
     else:
-        proposer = _draft_model(config, engine)
+        proposer = _draft_model(engine)
     return Speculator(config, engine.max_model_len, proposer)
 
 
@@ -116,13 +116,21 @@ def _layer_skip(config: SpeculativeConfig, engine) -> LayerSkipProposer:
                              config.draft_layers)
 
 
-def _draft_model(config: SpeculativeConfig, engine) -> DraftModelProposer:
+def load_draft(config: SpeculativeConfig, engine) -> LoadedModel:
+    """A draft model's checkpoint, checked against the target's vocabulary and context. The engine loads it
+    before sizing its KV cache, so the draft's weights count in a CUDA memory profile and its KV in the budget."""
     draft = load_model(config.model, engine.dtype, engine.device, engine.config.model_impl)
     check_draft_vocabulary(engine.tokenizer, draft.tokenizer, engine.vocab_size, draft.config.vocab_size)
     if draft.config.max_position_embeddings < engine.max_model_len:
         raise ConfigError("speculative_config.model",
                           f"the draft's context ({draft.config.max_position_embeddings} tokens) is shorter than "
                           f"max_model_len ({engine.max_model_len})")
+    return draft
+
+
+def _draft_model(engine) -> DraftModelProposer:
+    """The draft's own paged cache: as many blocks as the target's (the budget paid for both)."""
+    draft = engine.draft
     shape = (engine.num_blocks, engine.block_size, draft.config.num_key_value_heads, draft.config.head_dim)
     caches = [(allocate_kv_cache(shape, engine.kv_dtype, engine.device),
                allocate_kv_cache(shape, engine.kv_dtype, engine.device))
