@@ -128,3 +128,25 @@ def test_an_architecture_kvloom_cannot_run_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match="'phi2' is not supported"):
         convert_gguf(gguf, tmp_path / "converted")
+
+
+def test_the_same_gguf_in_another_place_reuses_its_converted_copy(tmp_path, monkeypatch):
+    """A model file installed in a second environment (another path, another mtime) is not converted again."""
+    import shutil
+
+    from kvloom.engine.model import model_files
+
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    first = tmp_path / "one" / "tiny.gguf"
+    first.parent.mkdir()
+    write_tiny_gguf(first, "llama")
+    converted = model_files.resolve_model_dir(str(first))
+    second = tmp_path / "two" / "tiny.gguf"
+    second.parent.mkdir()
+    shutil.copy(first, second)  # a new mtime
+    monkeypatch.setattr(model_files, "_convert_gguf", lambda *args: pytest.fail("converted again"))
+    assert model_files.resolve_model_dir(str(second)) == converted
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 1  # one bit of the last weights changed: another model
+    second.write_bytes(bytes(data))
+    assert model_files._fingerprint(second) != model_files._fingerprint(first)

