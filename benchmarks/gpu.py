@@ -1,0 +1,220 @@
+"""`python -m kvloom.benchmarks.gpu`: the GPU path against the device's own ceilings, measured in one run.
+
+1. Ceilings: a device-to-device copy's bandwidth (bytes read and written) and a bf16 GEMM's rate.
+2. Decode steps (`ModelRunner.execute`: inputs, forward, sampling) at a ladder of batch sizes, every request
+   with `--context` tokens of KV, on SmolLM2's shape and on an 8B Llama shape (random bf16 weights made on
+   the device), each against its roofline floor: max(bytes read / copy bandwidth, FLOPs / GEMM rate).
+3. W1 offline (`offline-mixed`) through the engine on `--model-dir` (SmolLM2's config and tokenizer; random
+   weights where the folder has none), and its greedy float32 tokens on the device against the CPU engine's.
+
+Writes `<out>/<device>.md` and `.json`. `--quick` shrinks every size so that the whole run takes seconds on a
+CPU (the suite runs it that way); its figures say nothing about a GPU.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvloom.benchmarks.random_weights import LLAMA_8B, RandomCheckpoint, fill_missing_weights, write_config
+from kvloom.engine.model.model_config import ModelConfig
+
+LADDER = [1, 8, 32, 128, 256]
+W1_PARITY_PROMPTS, W1_PARITY_TOKENS = 12, 64
+
+
+@dataclass
+class Ceilings:
+    copy_gb_s: float  # bytes read plus bytes written, per second
+    matmul_tflop_s: float  # the device's GEMM rate in the model's dtype
+
+
+@dataclass
+class DecodeStep:
+    model: str
+    batch: int
+    context: int
+    step_ms: float  # median of the timed steps
+    floor_ms: float  # the roofline floor of the same step
+    bound: str  # what sets the floor: "memory" or "compute"
+
+
+def timed(fn, device: torch.device, repeats: int, warmups: int = 2) -> list[float]:
+    """Seconds per call, each call synchronised with the device."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(warmups):
+        fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
+    source = torch.empty(1 << (22 if quick else 32), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    copy_s = min(timed(lambda: target.copy_(source), device, 10))
+    n = 256 if quick else 8192
+    a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
+    gemm_s = min(timed(lambda: a @ b, device, 10))
+    return Ceilings(2 * source.numel() / copy_s / 1e9, 2 * n**3 / gemm_s / 1e12)
+
+
+def decode_floor_s(config: ModelConfig, batch: int, context: int, dtype: torch.dtype, ceilings: Ceilings):
+    """(seconds, bound) of one decode step: every weight read once, each request's KV read once."""
+    h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
+    q_dim, ffn, layers = config.num_attention_heads * config.head_dim, config.intermediate_size, config.num_hidden_layers
+    linear_params = layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * ffn) + config.vocab_size * h
+    weight_bytes = linear_params * dtype.itemsize
+    kv_bytes = batch * context * config.kv_bytes_per_token(dtype)
+    flops = 2 * linear_params * batch + 4 * batch * context * q_dim * layers
+    memory_s = (weight_bytes + kv_bytes) / (ceilings.copy_gb_s * 1e9 / 2)  # the copy figure counts bytes twice
+    compute_s = flops / (ceilings.matmul_tflop_s * 1e12)
+    return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")
+
+
+def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, batches: list[int],
+                 context: int, ceilings: Ceilings, repeats: int) -> list[DecodeStep]:
+    from kvloom.engine.model.decoder import FusedDecoder
+    from kvloom.engine.request import Request
+    from kvloom.engine.runner import ModelRunner
+    from kvloom.engine.sampling import SamplingParams
+    from kvloom.kernels.backends import select_backend
+
+    decoder = FusedDecoder(config, RandomCheckpoint(config, dtype, device))
+    block_size, greedy = 16, SamplingParams(max_tokens=1, temperature=0)
+    per_request = -(-(context + 1) // block_size)
+    runner = ModelRunner(decoder, config, select_backend("auto", device), max(batches) * per_request, block_size,
+                         dtype, device)
+    results = []
+    for batch in batches:
+        requests = []
+        for i in range(batch):
+            request = Request(f"r{i}", [i % config.vocab_size] * (context + 1), greedy)
+            request.num_computed_tokens = context  # its KV is in the cache: this step decodes one token
+            request.block_ids = list(range(i * per_request, (i + 1) * per_request))
+            requests.append(request)
+        step_s = statistics.median(timed(lambda: runner.execute([(r, 1) for r in requests]), device, repeats))
+        floor_s, bound = decode_floor_s(config, batch, context, dtype, ceilings)
+        results.append(DecodeStep(name, batch, context, step_s * 1e3, floor_s * 1e3, bound))
+    return results
+
+
+def run_w1(model_dir: Path, device: torch.device, num_requests: int | None) -> dict:
+    """W1 offline on the device (float32 and bfloat16), and greedy float32 tokens against the CPU engine's."""
+    from kvloom.benchmarks.metrics import summarize
+    from kvloom.benchmarks.replay import replay
+    from kvloom.benchmarks.workloads import TokenCorpus, load_tokenizer, make_workload, synthetic_text
+    from kvloom.engine.llm import LLM
+    from kvloom.engine.llm_engine import LLMEngine
+    from kvloom.engine.sampling import SamplingParams
+
+    ids = load_tokenizer(str(model_dir)).encode(synthetic_text(60_000), add_special_tokens=False)
+    workload = make_workload("offline-mixed", TokenCorpus(torch.tensor(ids).numpy()))
+    if num_requests:
+        workload.requests[:] = workload.requests[:num_requests]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(model=str(model_dir), device=device.type, dtype=dtype, max_num_seqs=256)
+        engine.warm_up()
+        result = replay(engine, workload)
+        out[dtype] = asdict(summarize(f"kvloom {dtype}", result.records, result.wall_s, result.counters))
+        del engine
+    prompts = [r.prompt[:256] for r in workload.requests[:W1_PARITY_PROMPTS]]
+    params = SamplingParams(max_tokens=W1_PARITY_TOKENS, temperature=0, ignore_eos=True)
+    tokens = {where: [o.outputs[0].token_ids for o in LLM(str(model_dir), device=where, dtype="float32")
+                      .generate(prompts, params)] for where in ("cpu", device.type)}
+    out["greedy_parity"] = {"prompts": len(prompts), "tokens": W1_PARITY_TOKENS,
+                            "equal": sum(a == b for a, b in zip(tokens["cpu"], tokens[device.type]))}
+    return out
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def markdown(report: dict) -> str:
+    c = report["ceilings"]
+    lines = [f"# kvloom on {report['device']}", "",
+             f"Commit {report['commit']}, torch {report['torch']}, `python -m kvloom.benchmarks.gpu "
+             f"{report['args']}`. CUDA graphs: not built yet (every step below is eager).", "",
+             f"Ceilings measured in this run: copy {c['copy_gb_s']:.0f} GB/s (read + written), "
+             f"GEMM {c['matmul_tflop_s']:.1f} TFLOP/s ({report['dtype']}).", "",
+             "| model | batch | context | step ms | roofline floor ms | step / floor | bound |", "|---|---|---|---|---|---|---|"]
+    for s in report["decode"]:
+        lines.append(f"| {s['model']} | {s['batch']} | {s['context']} | {s['step_ms']:.3f} | {s['floor_ms']:.3f} | "
+                     f"{s['step_ms'] / s['floor_ms']:.2f}x | {s['bound']} |")
+    if report.get("w1"):
+        w1 = report["w1"]
+        lines += ["", "W1 offline (random weights of SmolLM2's shape, its tokenizer):", "",
+                  "| dtype | output tok/s | TTFT p50 s | TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|"]
+        for dtype in ("float32", "bfloat16"):
+            m = w1[dtype]
+            lines.append(f"| {dtype} | {m['output_tok_s']:.0f} | {m['ttft']['p50']:.3f} | "
+                         f"{m['tpot']['p50'] * 1e3:.2f} | {m['tpot']['p99'] * 1e3:.2f} |")
+        p = w1["greedy_parity"]
+        lines += ["", f"Greedy float32 tokens equal to the CPU engine's on {p['equal']} of {p['prompts']} prompts "
+                      f"({p['tokens']} tokens each)."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--model-dir", type=Path, help="config and tokenizer of the W1 model (SmolLM2's)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "gpu")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), torch.bfloat16
+    ceilings = measure_ceilings(device, dtype, args.quick)
+    batches, repeats = ([1, 4] if args.quick else LADDER), (3 if args.quick else 20)
+    with tempfile.TemporaryDirectory() as scratch:
+        shapes = {"8B Llama shape": write_config(Path(scratch) / "8b", LLAMA_8B)}
+        if args.model_dir:
+            shapes = {"SmolLM2 shape": args.model_dir, **shapes}
+        decode = []
+        for name, folder in shapes.items():
+            config = ModelConfig.from_dir(folder)
+            if args.quick:
+                config = ModelConfig.from_dir(write_config(Path(scratch) / "quick", {
+                    **config.raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}))
+            decode += decode_steps(name, config, device, dtype, batches, 32 if args.quick else args.context,
+                                   ceilings, repeats)
+    w1 = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None) if args.model_dir else None
+    report = {"device": device_name(device), "commit": commit(), "torch": torch.__version__, "dtype": str(dtype),
+              "args": " ".join(argv if argv is not None else sys.argv[1:]), "ceilings": asdict(ceilings),
+              "decode": [asdict(s) for s in decode], "w1": w1}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = report["device"].replace(" ", "-").lower()
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+    (args.out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""Llama-shaped checkpoints with random weights, made where they run: an 8B shape built on the device (no hub, no
+16 GB file to carry), and a folder's missing weights written from its config.json (a tokenizer and a config
+travel; the weights of SmolLM2, 98 MB even quantized, exceed what a device check may carry)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from kvloom.engine.model.checkpoint import Checkpoint
+from kvloom.engine.model.model_config import ModelConfig
+
+LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "tie_word_embeddings": False, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+            "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight of a Llama-family checkpoint by its safetensors name."""
+    h, heads, kv, d = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.self_attn.q_proj.weight": (heads * d, h), f"{p}.self_attn.k_proj.weight": (kv * d, h),
+                   f"{p}.self_attn.v_proj.weight": (kv * d, h), f"{p}.self_attn.o_proj.weight": (h, heads * d),
+                   f"{p}.mlp.gate_proj.weight": (config.intermediate_size, h),
+                   f"{p}.mlp.up_proj.weight": (config.intermediate_size, h),
+                   f"{p}.mlp.down_proj.weight": (h, config.intermediate_size),
+                   f"{p}.input_layernorm.weight": (h,), f"{p}.post_attention_layernorm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes
+
+
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype, device: torch.device):
+    """Norm weights 1, the rest N(0, 0.02), drawn on `device` (the same tensor for the same name, seed and
+    device kind)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + sum(map(ord, name)) * 7919 + len(name))
+    return (torch.randn(shape, generator=generator, device=device) * 0.02).to(dtype)
+
+
+class RandomCheckpoint(Checkpoint):
+    """A Checkpoint whose tensors are made on request, on the checkpoint's device, never read from a file."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, seed: int = 0) -> None:
+        super().__init__(config.model_dir, {}, dtype, device)
+        self.shapes, self.seed = tensor_shapes(config), seed
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shapes
+
+    def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        return random_tensor(name, self.shapes[name], self.seed, dtype or self.dtype, self.device)
+
+
+def write_config(path: Path, shape: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **shape}))
+    return path
+
+
+def fill_missing_weights(model_dir: Path, seed: int = 0) -> Path:
+    """Write `model.safetensors` with random float32 weights where a folder has a config but no weights."""
+    from safetensors.torch import save_file
+
+    if not (model_dir / "model.safetensors").is_file():
+        config = ModelConfig.from_dir(model_dir)
+        cpu = torch.device("cpu")
+        save_file({name: random_tensor(name, shape, seed, torch.float32, cpu)
+                   for name, shape in tensor_shapes(config).items()}, model_dir / "model.safetensors")
+    return model_dir

@@ -1,0 +1,45 @@
+"""The GPU benchmark's code path, run on CPU at tiny sizes (`--quick`): ceilings, decode steps against their
+roofline floors, W1 through the engine and the greedy parity check all run and land in the report. Its figures
+say nothing about a GPU; the device check (benchmarks/gpu_check.sh) runs it for real."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from kvloom.benchmarks import gpu
+from kvloom.benchmarks.random_weights import RandomCheckpoint, tensor_shapes
+from kvloom.engine.model.model_config import ModelConfig
+
+
+def test_a_quick_run_on_cpu_writes_every_section(tiny_model_dir, tmp_path):
+    report = gpu.main(["--device", "cpu", "--quick", "--model-dir", str(tiny_model_dir), "--out", str(tmp_path)])
+    assert report["ceilings"]["copy_gb_s"] > 0 and report["ceilings"]["matmul_tflop_s"] > 0
+    assert {s["model"] for s in report["decode"]} == {"SmolLM2 shape", "8B Llama shape"}
+    assert all(s["step_ms"] > 0 and s["floor_ms"] > 0 for s in report["decode"])
+    assert report["w1"]["float32"]["num_requests"] == 8
+    assert report["w1"]["greedy_parity"]["equal"] == report["w1"]["greedy_parity"]["prompts"]  # cpu vs cpu
+    written = json.loads(next(tmp_path.glob("*.json")).read_text())
+    assert written["decode"] == report["decode"]
+    assert "roofline floor" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_the_roofline_floor_of_a_batch_1_decode_is_reading_the_weights(tmp_path):
+    config = ModelConfig.from_dir(gpu.write_config(tmp_path, gpu.LLAMA_8B))
+    ceilings = gpu.Ceilings(copy_gb_s=8000, matmul_tflop_s=800)  # 4 TB/s of reads
+    floor_s, bound = gpu.decode_floor_s(config, 1, 0, torch.bfloat16, ceilings)
+    params = sum(math.prod(shape) for name, shape in tensor_shapes(config).items()
+                 if "norm" not in name and "embed" not in name)
+    assert bound == "memory" and floor_s == pytest.approx(params * 2 / 4e12, rel=1e-6)
+    assert 7e9 < params < 8.1e9  # an 8B model's linear weights (embedding rows are not read whole)
+
+
+def test_a_random_checkpoint_has_every_tensor_the_fused_decoder_reads(tiny_model_dir):
+    from kvloom.engine.model.decoder import FusedDecoder
+
+    config = ModelConfig.from_dir(tiny_model_dir)
+    checkpoint = RandomCheckpoint(config, torch.float32, torch.device("cpu"))
+    assert FusedDecoder.unsupported(config, checkpoint) is None
+    FusedDecoder(config, checkpoint)
+
