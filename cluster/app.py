@@ -95,6 +95,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         "replica_deployment": REPLICA_NAME,
         "replica_grace_s": grace_s,
         "scales_from_zero": expected_replicas(config) == 0,
+        "scale_for_priority": config.autoscaling.scale_for_priority if config.autoscaling else None,
         **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)

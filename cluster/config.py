@@ -91,6 +91,10 @@ class AutoscalingSettings(Strict):
     downscale_delay_s: float = Field(60, ge=0, description="how long it must ask for fewer before they go")
     graceful_period_s: float = Field(30, ge=0, description="how long a replica chosen for removal keeps its "
                                                            "running requests; the rest then move to others")
+    scale_for_priority: int | None = Field(None, description="only requests of this priority class or a better "
+                                                             "(lower) one waiting in the router's queue count as "
+                                                             "backlog (a batch class waits instead of adding "
+                                                             "replicas); default: every class")
 
     @model_validator(mode="after")
     def _bounds(self) -> "AutoscalingSettings":

@@ -32,6 +32,12 @@ class AdmissionQueue:
     def __len__(self) -> int:
         return len(self.policy) + len(self._retries)
 
+    def queued_up_to(self, priority: int | None) -> int:
+        """Queued requests of this priority class or a better (lower) one; every queued request for None."""
+        if priority is None:
+            return len(self)
+        return sum(ticket.priority <= priority for ticket in (*self.policy, *self._retries))
+
     def queued_by_tenant(self) -> dict[str, int]:
         return dict(self.counters.backlog)
 

@@ -69,6 +69,7 @@ class RouterSettings(BaseModel):
     replica_grace_s: float = 5.0  # how long a replica Serve stops keeps its running requests before they move
     cold_start_timeout_s: float = 300.0
     scales_from_zero: bool = False  # no replica running is a state the deployment rests in, not "not ready"
+    scale_for_priority: int | None = None  # the worst priority class whose queued requests are scaling backlog
 
 
 class TenancySettings(PolicyConfig):
@@ -166,7 +167,8 @@ class Router:
         self.admission.pump()
         live = replicas + self.decode_table.live()
         return RouterView(replicas_on_node=sum(r.stats.node_id == stats.node_id for r in live),
-                          queued_per_replica=len(self.admission) / max(1, len(replicas)), ttft_p90_s=ttft_p90_s)
+                          queued_per_replica=self.admission.queued_up_to(self.settings.scale_for_priority)
+                          / max(1, len(replicas)), ttft_p90_s=ttft_p90_s)
 
     # ---- called by `kvloom serve` on SIGTERM / Ctrl-C ----------------------------------------
     async def drain(self) -> int:

@@ -251,6 +251,22 @@ async def test_high_priority_gets_credit_beyond_a_full_lower_class():
     await asyncio.wait_for(blocked, 1)
 
 
+async def test_the_scaling_backlog_counts_the_queued_requests_of_the_chosen_classes_only():
+    """autoscaling.scale_for_priority: a batch class (a worse priority) queued in the router is no reason to add
+    replicas; the interactive classes at or better than the setting are."""
+    table = ReplicaTable(slack=0)
+    table.report(replica_stats(1))
+    queue = AdmissionQueue(table, 10, make_policy(PolicyConfig(policy="priority", priority_aging_s=None), VirtualCounters()))
+    held = await queue.acquire(ticket("running", priority=0))
+    waiting = [asyncio.create_task(queue.acquire(ticket(f"p{p}-{i}", priority=p))) for p in (0, 2, 5) for i in range(p + 1)]
+    await asyncio.sleep(0)
+    assert len(queue) == 10  # 1 + 3 + 6 behind the running one
+    assert [queue.queued_up_to(p) for p in (None, 0, 2, 4, 5)] == [10, 1, 4, 4, 10]
+    for task in waiting:
+        task.cancel()
+    queue.release(held)
+
+
 @pytest.mark.parametrize("weights, b_share", [((1.0, 1.0), 2), ((3.0, 1.0), 1), ((1.0, 3.0), 3)])
 async def test_a_tenant_below_its_share_of_a_full_replica_goes_in_to_preempt(weights, b_share):
     table = ReplicaTable(slack=0)
