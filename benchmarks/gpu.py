@@ -1,9 +1,10 @@
 """`python -m kvloom.benchmarks.gpu`: the GPU path against the device's own ceilings, measured in one run.
 
 1. Ceilings: a device-to-device copy's bandwidth (bytes read and written) and a bf16 GEMM's rate.
-2. Decode steps (`ModelRunner.execute`: inputs, forward, sampling) at a ladder of batch sizes, every request
-   with `--context` tokens of KV, on SmolLM2's shape and on an 8B Llama shape (random bf16 weights made on
-   the device), each against its roofline floor: max(bytes read / copy bandwidth, FLOPs / GEMM rate).
+2. Decode steps (`ModelRunner.execute`: inputs, forward, sampling), eager and (on CUDA) replayed from the
+   decode graphs, at a ladder of batch sizes, every request with `--context` tokens of KV, on SmolLM2's shape
+   and on an 8B Llama shape (random bf16 weights made on the device), each against its roofline floor:
+   max(bytes read / copy bandwidth, FLOPs / GEMM rate).
 3. W1 offline (`offline-mixed`) through the engine on `--model-dir` (SmolLM2's config and tokenizer; random
    weights where the folder has none), and its greedy float32 tokens on the device against the CPU engine's.
 
@@ -40,6 +41,7 @@ class Ceilings:
 @dataclass
 class DecodeStep:
     model: str
+    graphs: bool  # replayed from a CUDA graph, or eager
     batch: int
     context: int
     step_ms: float  # median of the timed steps
@@ -75,7 +77,8 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> C
 def decode_floor_s(config: ModelConfig, batch: int, context: int, dtype: torch.dtype, ceilings: Ceilings):
     """(seconds, bound) of one decode step: every weight read once, each request's KV read once."""
     h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q_dim, ffn, layers = config.num_attention_heads * config.head_dim, config.intermediate_size, config.num_hidden_layers
+    q_dim, ffn = config.num_attention_heads * config.head_dim, config.intermediate_size
+    layers = config.num_hidden_layers
     linear_params = layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * ffn) + config.vocab_size * h
     weight_bytes = linear_params * dtype.itemsize
     kv_bytes = batch * context * config.kv_bytes_per_token(dtype)
@@ -98,6 +101,7 @@ def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: to
     per_request = -(-(context + 1) // block_size)
     runner = ModelRunner(decoder, config, select_backend("auto", device), max(batches) * per_request, block_size,
                          dtype, device)
+    graphs = runner.capture_graphs(max(batches), per_request) if device.type == "cuda" else None
     results = []
     for batch in batches:
         requests = []
@@ -106,9 +110,11 @@ def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: to
             request.num_computed_tokens = context  # its KV is in the cache: this step decodes one token
             request.block_ids = list(range(i * per_request, (i + 1) * per_request))
             requests.append(request)
-        step_s = statistics.median(timed(lambda: runner.execute([(r, 1) for r in requests]), device, repeats))
         floor_s, bound = decode_floor_s(config, batch, context, dtype, ceilings)
-        results.append(DecodeStep(name, batch, context, step_s * 1e3, floor_s * 1e3, bound))
+        for mode in ([None, graphs] if graphs else [None]):
+            runner.graphs = mode
+            step_s = statistics.median(timed(lambda: runner.execute([(r, 1) for r in requests]), device, repeats))
+            results.append(DecodeStep(name, mode is not None, batch, context, step_s * 1e3, floor_s * 1e3, bound))
     return results
 
 
@@ -159,13 +165,14 @@ def markdown(report: dict) -> str:
     c = report["ceilings"]
     lines = [f"# kvloom on {report['device']}", "",
              f"Commit {report['commit']}, torch {report['torch']}, `python -m kvloom.benchmarks.gpu "
-             f"{report['args']}`. CUDA graphs: not built yet (every step below is eager).", "",
+             f"{report['args']}`.", "",
              f"Ceilings measured in this run: copy {c['copy_gb_s']:.0f} GB/s (read + written), "
              f"GEMM {c['matmul_tflop_s']:.1f} TFLOP/s ({report['dtype']}).", "",
-             "| model | batch | context | step ms | roofline floor ms | step / floor | bound |", "|---|---|---|---|---|---|---|"]
+             "| model | step | batch | context | step ms | roofline floor ms | step / floor | bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in report["decode"]:
-        lines.append(f"| {s['model']} | {s['batch']} | {s['context']} | {s['step_ms']:.3f} | {s['floor_ms']:.3f} | "
-                     f"{s['step_ms'] / s['floor_ms']:.2f}x | {s['bound']} |")
+        lines.append(f"| {s['model']} | {'graph' if s['graphs'] else 'eager'} | {s['batch']} | {s['context']} | "
+                     f"{s['step_ms']:.3f} | {s['floor_ms']:.3f} | {s['step_ms'] / s['floor_ms']:.2f}x | {s['bound']} |")
     if report.get("w1"):
         w1 = report["w1"]
         lines += ["", "W1 offline (random weights of SmolLM2's shape, its tokenizer):", "",

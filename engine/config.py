@@ -64,6 +64,7 @@ class EngineConfig(BaseModel):
     max_wait_ms: float = Field(50.0, ge=0, description="dynamic batching: longest a bucket waits to fill")
     bucket_width: int = Field(64, ge=1, description="dynamic batching: prompt-length bucket width")
     attention_backend: Literal["auto", "reference", "cpu", "triton"] = "auto"
+    enforce_eager: bool = Field(False, description="CUDA: no decode graphs (engine/cuda_graphs.py), every step eager")
     # auto: kvloom's fused decoder (engine/model/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     seed: int = 0

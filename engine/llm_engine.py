@@ -84,6 +84,9 @@ class LLMEngine:
                 self.decoder = self.runner.decoder
             else:
                 self.runner = self._runner(self.num_blocks)
+        if self.device.type == "cuda" and config.tensor_parallel_size == 1 and not config.enforce_eager:
+            with self.startup.phase("CUDA graphs"):
+                self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
         self.handoffs = ParkedKV(self.kv)
         trim_heap()  # what loading freed

@@ -8,6 +8,7 @@ known tokens reach the LM head.
 
 import torch
 
+from kvloom.engine.cuda_graphs import DecodeGraphs
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.host_memory import advise_huge_pages
@@ -50,6 +51,7 @@ class ModelRunner:
             (allocate_kv_cache(shape, kv_dtype, device), allocate_kv_cache(shape, kv_dtype, device))
             for _ in range(config.num_hidden_layers)
         ]
+        self.graphs: DecodeGraphs | None = None  # see capture_graphs
 
     def check_health(self) -> None:
         """Raises if a part of this runner outside the process died (see TensorParallelRunner)."""
@@ -121,11 +123,20 @@ class ModelRunner:
                             meta, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
         return inputs, sample_requests
 
+    def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> DecodeGraphs:
+        """CUDA graphs for plain decode steps up to `max_num_seqs` requests of up to `max_blocks` blocks."""
+        self.graphs = DecodeGraphs(self.decoder, self.kv_caches, self.backend, max_num_seqs, max_blocks, self.device)
+        self.graphs.capture()
+        return self.graphs
+
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
-        """The logits of the sample rows (None when there are none, or on a tensor-parallel worker)."""
-        context = ForwardContext(inputs.meta, self.kv_caches, self.backend)
-        hidden = self.decoder(inputs.input_ids, inputs.positions, context, keep_rows=inputs.sample_rows)
+        """The logits of the sample rows (None when there are none, or on a tensor-parallel worker). A plain
+        decode step replays a CUDA graph where one was captured."""
+        hidden = self.graphs.run(inputs) if self.graphs is not None else None
+        if hidden is None:
+            context = ForwardContext(inputs.meta, self.kv_caches, self.backend)
+            hidden = self.decoder(inputs.input_ids, inputs.positions, context, keep_rows=inputs.sample_rows)
         if not len(inputs.sample_rows):
             return None
         return self.decoder.logits(hidden)

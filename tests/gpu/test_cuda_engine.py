@@ -92,3 +92,14 @@ def test_seeded_sampled_requests_draw_the_same_tokens_on_cuda_as_on_cpu(tiny_mod
         llm = LLM(str(tiny_model_dir), device=device, dtype="float32", kv_cache_memory_bytes=1 << 24)
         runs[device] = [out.outputs[0].token_ids for out in llm.generate(prompts(), params)]
     assert runs["cuda"] == runs["cpu"]
+
+
+def test_decode_graphs_replay_what_eager_steps_compute(tiny_model_dir, cpu_greedy):
+    """Graphs on (the default on CUDA), graphs off and the CPU engine: the same greedy tokens, float32. 12 prompts
+    with max_num_seqs 16: batches of 12 down to 1 replay the graphs of 16, 8, 4, 2 and 1 rows, padded."""
+    eager = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24,
+                max_num_seqs=16, enforce_eager=True)
+    graphed = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24,
+                  max_num_seqs=16)
+    assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
+    assert token_ids(graphed, prompts()) == token_ids(eager, prompts()) == cpu_greedy
