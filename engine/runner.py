@@ -16,11 +16,10 @@ from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.speculation.rejection_sampler import verify
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import SampledToken, sample
-from kvloom.engine.step_plan import StepInputs
+from kvloom.engine.step_plan import HostStaging, StepInputs
 from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.item_pool import use_item_pool
-from kvloom.kernels.metadata import AttentionMetadata
 
 
 def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -52,6 +51,7 @@ class ModelRunner:
             for _ in range(config.num_hidden_layers)
         ]
         self.graphs: DecodeGraphs | None = None  # see capture_graphs
+        self.staging = HostStaging(device)  # each step's inputs: one packed host buffer, one copy
 
     def check_health(self) -> None:
         """Raises if a part of this runner outside the process died (see TensorParallelRunner)."""
@@ -118,9 +118,8 @@ class ModelRunner:
             if end == request.num_tokens_with_spec:
                 sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
                 sample_requests.append(request)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
-        inputs = StepInputs(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
-                            meta, torch.tensor(sample_rows, dtype=torch.int64, device=self.device))
+        inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, sample_rows, self.block_size,
+                                  self.staging)
         return inputs, sample_requests
 
     def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> DecodeGraphs:

@@ -6,6 +6,7 @@ block tables, LM-head rows), so a worker runs the same forward with no scheduler
 RPC: two broadcasts a step, whatever the batch.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -38,18 +39,62 @@ class StepInputs:
         return header, body
 
     @staticmethod
+    def build(input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+              tables: list[list[int]], sample_rows: list[int], block_size: int, staging: "HostStaging") -> "StepInputs":
+        """The step's inputs from host lists: packed into one int64 host buffer, one copy to the device (the
+        body `encode` lays out)."""
+        slots, starts, padded = AttentionMetadata.host_layout(query_lens, seq_lens, tables, block_size)
+        body = staging.to_device([*input_ids, *positions, *slots, *starts, *seq_lens, *itertools.chain(*padded),
+                                  *sample_rows])
+        return StepInputs._split(body, len(input_ids), len(query_lens), len(padded[0]) if padded else 1,
+                                 len(sample_rows), query_lens, seq_lens)
+
+    @staticmethod
     def decode(header: list[int], body: torch.Tensor, device: torch.device) -> "StepInputs":
         _, tokens, seqs, width, samples, _ = header
+        host = body[3 * tokens : 3 * tokens + 2 * seqs + 1].tolist()  # query starts and sequence lengths
+        starts, seq_lens = host[: seqs + 1], host[seqs + 1 :]
+        query_lens = [b - a for a, b in zip(starts, starts[1:])]
+        return StepInputs._split(body.to(device), tokens, seqs, width, samples, query_lens, seq_lens)
+
+    @staticmethod
+    def _split(body: torch.Tensor, tokens: int, seqs: int, width: int, samples: int, query_lens: list[int],
+               seq_lens: list[int]) -> "StepInputs":
+        """Views of a packed body (on its device), with the host copies of the lengths."""
         sizes = [tokens, tokens, tokens, seqs + 1, seqs, seqs * width, samples]
-        ids, positions, slots, starts, seq_lens, tables, rows = body.to(device).split(sizes)
-        starts_host, seq_lens_host = starts.tolist(), seq_lens.tolist()
-        query_lens = [b - a for a, b in zip(starts_host, starts_host[1:])]
+        ids, positions, slots, starts, seq_lens_device, tables, rows = body.split(sizes)
         meta = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=starts.to(torch.int32), seq_lens=seq_lens.to(torch.int32),
-            block_tables=tables.view(seqs, width).to(torch.int32), query_lens=query_lens,
-            seq_lens_host=seq_lens_host, max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens_host, default=0))
+            slot_mapping=slots, query_start_loc=starts.to(torch.int32), seq_lens=seq_lens_device.to(torch.int32),
+            block_tables=tables.view(seqs, width).to(torch.int32), query_lens=list(query_lens),
+            seq_lens_host=list(seq_lens), max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0))
         return StepInputs(ids, positions, meta, rows)
+
+
+class HostStaging:
+    """The host buffer a step's inputs are packed into: pinned on CUDA and reused, grown when a step needs more,
+    so each step is one non-blocking copy from memory the device can read directly. Before the buffer is
+    rewritten, the previous copy out of it has finished (an event recorded after it)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer = torch.empty(0, dtype=torch.int64)
+        self.copied: torch.cuda.Event | None = None
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64)
+        if len(values) > len(self.buffer):
+            self.buffer = torch.empty(max(len(values), 2 * len(self.buffer), 1024), dtype=torch.int64,
+                                      pin_memory=True)
+        if self.copied is not None:
+            self.copied.synchronize()
+        host = self.buffer[: len(values)]
+        host.numpy()[:] = values
+        on_device = host.to(self.device, non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return on_device
 
 
 def control_header(op: int, body_len: int = 0) -> torch.Tensor:

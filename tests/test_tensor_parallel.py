@@ -23,7 +23,7 @@ from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
-from kvloom.engine.step_plan import StepInputs
+from kvloom.engine.step_plan import HostStaging, StepInputs
 from kvloom.engine.tensor_parallel.tp_group import TensorParallelError
 from kvloom.engine.tensor_parallel.tp_shards import ShardedCheckpoint, plan_shards
 from kvloom.kernels.metadata import AttentionMetadata
@@ -83,8 +83,14 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir):
 
 
 def test_a_step_plan_survives_its_compact_form():
+    """Built from host lists in one packed buffer (what the runner does each step), it equals the metadata built
+    field by field, and its compact form (what a tensor-parallel driver broadcasts) decodes back to it."""
     meta = AttentionMetadata.build([3, 1], [7, 12], [[4, 9], [1, 2, 5]], 4)
-    inputs = StepInputs(torch.tensor([5, 6, 7, 8]), torch.tensor([4, 5, 6, 11]), meta, torch.tensor([2, 3]))
+    inputs = StepInputs.build([5, 6, 7, 8], [4, 5, 6, 11], [3, 1], [7, 12], [[4, 9], [1, 2, 5]], [2, 3], 4,
+                              HostStaging(torch.device("cpu")))
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        built, expected = getattr(inputs.meta, name), getattr(meta, name)
+        assert torch.equal(built, expected) and built.dtype == expected.dtype, name
     header, body = inputs.encode()
     back = StepInputs.decode(header.tolist(), body, torch.device("cpu"))
     assert torch.equal(back.input_ids, inputs.input_ids) and torch.equal(back.sample_rows, inputs.sample_rows)
