@@ -118,7 +118,7 @@ def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: to
     return results
 
 
-def run_w1(model_dir: Path, device: torch.device, num_requests: int | None) -> dict:
+def run_w1(model_dir: Path, device: torch.device, num_requests: int | None, dtypes: tuple[str, ...]) -> dict:
     """W1 offline on the device (float32 and bfloat16), and greedy float32 tokens against the CPU engine's."""
     from kvloom.benchmarks.metrics import summarize
     from kvloom.benchmarks.replay import replay
@@ -131,8 +131,8 @@ def run_w1(model_dir: Path, device: torch.device, num_requests: int | None) -> d
     workload = make_workload("offline-mixed", TokenCorpus(torch.tensor(ids).numpy()))
     if num_requests:
         workload.requests[:] = workload.requests[:num_requests]
-    out = {}
-    for dtype in ("float32", "bfloat16"):
+    out = {"dtypes": list(dtypes)}
+    for dtype in dtypes:
         engine = LLMEngine(model=str(model_dir), device=device.type, dtype=dtype, max_num_seqs=256)
         engine.warm_up()
         result = replay(engine, workload)
@@ -177,7 +177,7 @@ def markdown(report: dict) -> str:
         w1 = report["w1"]
         lines += ["", "W1 offline (random weights of SmolLM2's shape, its tokenizer):", "",
                   "| dtype | output tok/s | TTFT p50 s | TPOT p50 ms | TPOT p99 ms |", "|---|---|---|---|---|"]
-        for dtype in ("float32", "bfloat16"):
+        for dtype in w1["dtypes"]:
             m = w1[dtype]
             lines.append(f"| {dtype} | {m['output_tok_s']:.0f} | {m['ttft']['p50']:.3f} | "
                          f"{m['tpot']['p50'] * 1e3:.2f} | {m['tpot']['p99'] * 1e3:.2f} |")
@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> dict:
                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}))
             decode += decode_steps(name, config, device, dtype, batches, 32 if args.quick else args.context,
                                    ceilings, repeats)
-    w1 = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None) if args.model_dir else None
+    w1 = None
+    if args.model_dir:  # --quick: float32 alone (the same code path)
+        w1 = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None,
+                    ("float32",) if args.quick else ("float32", "bfloat16"))
     report = {"device": device_name(device), "commit": commit(), "torch": torch.__version__, "dtype": str(dtype),
               "args": " ".join(argv if argv is not None else sys.argv[1:]), "ceilings": asdict(ceilings),
               "decode": [asdict(s) for s in decode], "w1": w1}
