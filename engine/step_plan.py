@@ -38,24 +38,24 @@ class StepInputs:
                                len(self.sample_rows), len(body)], dtype=torch.int64)
         return header, body
 
-    @staticmethod
-    def build(input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
+    @classmethod
+    def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
               tables: list[list[int]], sample_rows: list[int], block_size: int, staging: "HostStaging") -> "StepInputs":
         """The step's inputs from host lists: packed into one int64 host buffer, one copy to the device (the
         body `encode` lays out)."""
         slots, starts, padded = AttentionMetadata.host_layout(query_lens, seq_lens, tables, block_size)
         body = staging.to_device([*input_ids, *positions, *slots, *starts, *seq_lens, *itertools.chain(*padded),
                                   *sample_rows])
-        return StepInputs._split(body, len(input_ids), len(query_lens), len(padded[0]) if padded else 1,
-                                 len(sample_rows), query_lens, seq_lens)
+        return cls._split(body, len(input_ids), len(query_lens), len(padded[0]) if padded else 1, len(sample_rows),
+                          query_lens, seq_lens)
 
-    @staticmethod
-    def decode(header: list[int], body: torch.Tensor, device: torch.device) -> "StepInputs":
+    @classmethod
+    def decode(cls, header: list[int], body: torch.Tensor, device: torch.device) -> "StepInputs":
         _, tokens, seqs, width, samples, _ = header
         host = body[3 * tokens : 3 * tokens + 2 * seqs + 1].tolist()  # query starts and sequence lengths
         starts, seq_lens = host[: seqs + 1], host[seqs + 1 :]
         query_lens = [b - a for a, b in zip(starts, starts[1:])]
-        return StepInputs._split(body.to(device), tokens, seqs, width, samples, query_lens, seq_lens)
+        return cls._split(body.to(device), tokens, seqs, width, samples, query_lens, seq_lens)
 
     @staticmethod
     def _split(body: torch.Tensor, tokens: int, seqs: int, width: int, samples: int, query_lens: list[int],
