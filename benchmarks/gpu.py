@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kvloom.benchmarks.random_weights import LLAMA_8B, RandomCheckpoint, fill_missing_weights, write_config
+from kvloom.benchmarks.roofline import ModelShape
 from kvloom.engine.model.model_config import ModelConfig
 
 LADDER = [1, 8, 32, 128, 256]
@@ -76,13 +77,10 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> C
 
 def decode_floor_s(config: ModelConfig, batch: int, context: int, dtype: torch.dtype, ceilings: Ceilings):
     """(seconds, bound) of one decode step: every weight read once, each request's KV read once."""
-    h, kv_dim = config.hidden_size, config.num_key_value_heads * config.head_dim
-    q_dim, ffn = config.num_attention_heads * config.head_dim, config.intermediate_size
-    layers = config.num_hidden_layers
-    linear_params = layers * (h * (q_dim + 2 * kv_dim) + q_dim * h + 3 * h * ffn) + config.vocab_size * h
-    weight_bytes = linear_params * dtype.itemsize
+    shape = ModelShape.of(config)
+    weight_bytes = (shape.linear_params + shape.hidden * shape.vocab) * dtype.itemsize  # the LM head's too
     kv_bytes = batch * context * config.kv_bytes_per_token(dtype)
-    flops = 2 * linear_params * batch + 4 * batch * context * q_dim * layers
+    flops = shape.decode_step_flops(batch, batch * context)
     memory_s = (weight_bytes + kv_bytes) / (ceilings.copy_gb_s * 1e9 / 2)  # the copy figure counts bytes twice
     compute_s = flops / (ceilings.matmul_tflop_s * 1e12)
     return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")

@@ -9,7 +9,6 @@ engines can share a process.
 import itertools
 import time
 
-
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.counter_draws import seed_words
 from kvloom.engine.detokenizer import token_decoder

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.step_plan import to_device
 
 
 @dataclass(frozen=True)
@@ -74,5 +75,5 @@ def adjust_rows(logits: torch.Tensor, requests: list) -> None:
 
 def _columns(rows: list[tuple], device: torch.device) -> list[torch.Tensor]:
     """Columns of a list of tuples as device tensors (ints as int64, floats as float32), one copy."""
-    table = torch.tensor(rows, dtype=torch.float64).to(device)
+    table = to_device(torch.tensor(rows, dtype=torch.float64), device)
     return [column.long() if isinstance(value, int) else column.float() for column, value in zip(table.T, rows[0])]

@@ -18,6 +18,7 @@ from kvloom.engine.counter_draws import Lane, uniform
 from kvloom.engine.logits_processors import adjust_rows
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.step_plan import to_device
 from kvloom.engine.structured_output import mask_disallowed
 from kvloom.kernels.fused_ops import argmax_rows
 
@@ -50,10 +51,7 @@ class DrawKnobs:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         rows = [[p.temperature or 1.0, k, p.top_p if p.top_p < 1.0 else NO_TOP_P, u]
                 for p, k, u in zip(params, top_k, uniforms or [0.0] * len(params))]
-        host = torch.tensor(rows, dtype=torch.float64)  # exact for the knobs and 24-bit uniforms
-        if device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(device, non_blocking=True)
+        packed = to_device(torch.tensor(rows, dtype=torch.float64), device)  # exact for the knobs and uniforms
         filtering = [row for row, (p, k) in enumerate(zip(params, top_k)) if k < vocab or p.top_p < 1.0]
         return cls(packed[:, 0].float(), packed[:, 1].long(), packed[:, 2].float(), packed[:, 3].float(), filtering,
                    max((top_k[row] for row in filtering), default=vocab),

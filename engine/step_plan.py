@@ -71,6 +71,14 @@ class StepInputs:
         return StepInputs(ids, positions, meta, rows)
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device`: on CUDA through pinned memory in a non-blocking copy (torch's caching host
+    allocator keeps the pinned block until the copy is done), elsewhere the tensor itself."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 class HostStaging:
     """The host buffer a step's inputs are packed into: pinned on CUDA and reused, grown when a step needs more,
     so each step is one non-blocking copy from memory the device can read directly. Before the buffer is
