@@ -75,3 +75,32 @@ def fill_missing_weights(model_dir: Path, seed: int = 0) -> Path:
         save_file({name: random_tensor(name, shape, seed, torch.float32, cpu)
                    for name, shape in tensor_shapes(config).items()}, model_dir / "model.safetensors")
     return model_dir
+
+
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(path: Path, config: ModelConfig, rank: int, seed: int = 0,
+                         targets: tuple[str, ...] = PEFT_TARGETS, alpha: float | None = None,
+                         scale: float = 0.05) -> Path:
+    """A LoRA adapter in PEFT's format with random A and B (PEFT starts B at zero: the adapter would change nothing),
+    large enough to change a random model's greedy tokens, for tests and the LoRA benchmark (no hub)."""
+    from safetensors.torch import save_file
+
+    from kvloom.engine.lora.adapter import CONFIG_FILE, FUSED_PARTS, WEIGHTS_FILE, part_features
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for part in (p for parts in FUSED_PARTS.values() for p in parts if p.split(".")[1] in targets):
+            features_in, features_out = part_features(config, part)
+            prefix = f"base_model.model.model.layers.{layer}.{part}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, features_in, generator=generator) * scale
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(features_out, rank, generator=generator) * scale
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / WEIGHTS_FILE, metadata={"format": "pt"})
+    settings = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+                "target_modules": list(targets), "lora_dropout": 0.0, "bias": "none",
+                "base_model_name_or_path": str(config.model_dir)}
+    (path / CONFIG_FILE).write_text(json.dumps(settings, indent=2))
+    return path

@@ -109,7 +109,8 @@ def replay(engine: LLMEngine, workload: Workload,
         while pending and t0 + pending[-1].arrival_s <= now:
             r = pending.pop()
             params = SamplingParams(max_tokens=r.max_tokens, temperature=0, ignore_eos=True, detokenize=False)
-            engine.add_request(r.request_id, r.prompt, params, priority=r.priority, arrival_time=t0 + r.arrival_s)
+            engine.add_request(r.request_id, r.prompt, params, priority=r.priority, arrival_time=t0 + r.arrival_s,
+                               lora=r.lora)
             token_times[r.request_id] = []
         if not engine.has_unfinished():
             time.sleep(max(0.0, t0 + pending[-1].arrival_s - time.monotonic()))

@@ -86,6 +86,7 @@ class WorkloadRequest:
     arrival_s: float = 0.0  # seconds after the replay starts
     tenant: str = "default"
     priority: int = 0
+    lora: str | None = None  # the LoRA adapter it runs with (kvloom: engine/lora/)
 
 
 @dataclass

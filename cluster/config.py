@@ -7,7 +7,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvloom.engine.config import EngineConfig
+from kvloom.engine.config import EngineConfig, LoRAConfig
 from kvloom.router.policies import PolicyConfig
 from kvloom.router.tenants import TenantConfig, check_unique
 
@@ -124,6 +124,16 @@ class ClusterConfig(Strict):
     disaggregation: DisaggregationConfig = Field(default_factory=DisaggregationConfig)
     tenants: list[TenantConfig] = Field(default_factory=list, description="none: one anonymous tenant, no keys")
     admin_keys: list[str] = Field(default_factory=list, description="keys for admin endpoints (GET /v1/usage)")
+    lora: LoRAConfig | None = Field(None, description="LoRA adapters served on the base model (engine/lora/); the "
+                                                      "same as engine.lora")
+
+    @model_validator(mode="after")
+    def _lora_in_engine(self) -> "ClusterConfig":
+        if self.lora is not None:
+            if self.engine.lora is not None:
+                raise ValueError("lora: set it once, at the top level or under engine")
+            self.engine = EngineConfig(**{**self.engine.model_dump(exclude_unset=True), "lora": self.lora})
+        return self
 
     @model_validator(mode="after")
     def _unique_tenants(self) -> "ClusterConfig":

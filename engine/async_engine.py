@@ -22,6 +22,7 @@ from kvloom.engine.errors import EngineDeadError, InvalidRequestError
 from kvloom.engine.engine_stats import EngineReport, EngineStats
 from kvloom.engine.kv_handoff import KVHeader
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
@@ -217,9 +218,13 @@ class AsyncLLMEngine:
                 self.close_stream(request.request_id)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0) -> Request:
-        """Validate and tokenize; touches no engine state, so any thread may call it."""
-        return self.engine.make_request(request_id, prompt, params, priority)
+                     priority: int = 0, lora: LoRARequest | None = None) -> Request:
+        """Validate and tokenize; any thread may call it (see LLMEngine.make_request)."""
+        return self.engine.make_request(request_id, prompt, params, priority, lora=lora)
+
+    def load_adapter(self, lora: LoRARequest) -> None:
+        """Read and check a LoRA adapter now (thread-safe, as make_request); raises InvalidRequestError."""
+        self.engine.load_adapter(lora)
 
     def abort(self, request_id: str) -> None:
         self._send(lambda engine: engine.abort(request_id))
@@ -296,7 +301,8 @@ class AsyncLLMEngine:
             block_size=engine.block_size, max_model_len=engine.max_model_len,
             spec_decode=asdict(spec) if spec else None,
             recent_prefix_hashes=engine.kv.pool.recent_hashes(recent_prefix_hashes),
-            ranks=list(getattr(engine.runner, "reports", [])), startup=dict(engine.startup.seconds))
+            ranks=list(getattr(engine.runner, "reports", [])), startup=dict(engine.startup.seconds),
+            lora_adapters=engine.adapters.loaded() if engine.adapters is not None else [])
 
     def check_health(self) -> None:
         if self.dead_error is not None:

@@ -21,8 +21,14 @@ class ContinuousBatching:
     padding_tokens = 0
 
     def admissible(self, waiting: RequestQueue) -> Iterator[Request]:
-        while len(waiting):  # the scheduler removes each admitted request before asking again
-            yield waiting.peek()
+        """Queue order. The scheduler removes each request it admits before asking again, so the head comes next;
+        one it passes over (its LoRA adapter waits for a slot) stays the head, and the rest follow from a snapshot."""
+        while len(waiting):
+            head = waiting.peek()
+            yield head
+            if len(waiting) and waiting.peek() is head:
+                yield from list(waiting)[1:]
+                return
 
     def on_finish(self, request: Request) -> None:
         pass

@@ -33,11 +33,11 @@ def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return int.from_bytes(digest.digest(), "little")
 
 
-def prompt_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of a prompt, in order."""
+def prompt_block_hashes(token_ids: list[int], block_size: int, root: int | None = None) -> list[int]:
+    """Chained hashes of every full block of a prompt, in order; `root`: a LoRA adapter's (engine/lora/identity.py)."""
     hashes: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size])))
+        hashes.append(hash_block(hashes[-1] if hashes else root, tuple(token_ids[start : start + block_size])))
     return hashes
 
 

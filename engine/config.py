@@ -1,5 +1,6 @@
 """EngineConfig: every knob of one engine, validated at the edge with the names vLLM users know."""
 
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -35,6 +36,35 @@ class SpeculativeConfig(BaseModel):
             raise ValueError("method draft_model needs model: a draft checkpoint")
         if self.method == "layer_skip" and self.draft_layers is None:
             raise ValueError("method layer_skip needs draft_layers: how many of the target's layers draft")
+        return self
+
+
+# no ':' (`base:adapter` names one) and no '/' (a path under a directory)
+ADAPTER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class LoRAConfig(BaseModel):
+    """Multi-LoRA serving (engine/lora/): the adapters, how many one step computes, how many stay loaded."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adapters: dict[str, str] = {}  # name -> a PEFT adapter directory, loaded at start
+    dynamic_loading_path: str | None = None  # its sub-directories are adapters, loaded by name on first use
+    max_loras: int = Field(4, ge=1)  # distinct adapters among a step's rows; requests for others wait
+    max_lora_rank: int = Field(64, ge=1)
+    max_cpu_loras: int = Field(32, ge=1)  # adapters kept loaded in host memory (least recently used go first)
+
+    @field_validator("adapters")
+    @classmethod
+    def _names(cls, adapters: dict[str, str]) -> dict[str, str]:
+        for name in adapters:
+            if not re.match(ADAPTER_NAME, name):
+                raise ValueError(f"adapter name {name!r}: letters, digits, '.', '_' and '-' only")
+        return adapters
+
+    @model_validator(mode="after")
+    def _room(self) -> "LoRAConfig":
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         return self
 
 
@@ -74,6 +104,22 @@ class EngineConfig(BaseModel):
     # every collective of a tensor-parallel replica gives up after this long: a dead rank is an error, not a hang
     distributed_timeout_s: float = Field(60.0, gt=0)
     speculative_config: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: no adapters
+
+    @model_validator(mode="after")
+    def _lora_limits(self) -> "EngineConfig":
+        if self.lora is None:
+            return self
+        refusals = {
+            "tensor_parallel_size": (self.tensor_parallel_size > 1, "adapters are not sharded over ranks yet"),
+            "model_impl": (self.model_impl == "transformers", "adapters patch kvloom's fused decoder only"),
+            "speculative_config": (self.speculative_config is not None and self.speculative_config.method != "ngram",
+                                   "a draft model or layer-skip drafts would run without the adapter; use ngram"),
+        }
+        for key, (refused, why) in refusals.items():
+            if refused:
+                raise ValueError(f"lora with {key}: {why}")
+        return self
 
     @field_validator("block_size")
     @classmethod

@@ -54,3 +54,4 @@ class EngineReport:
     recent_prefix_hashes: list[int]
     ranks: list = field(default_factory=list)  # tensor-parallel RankReports; empty on one rank
     startup: dict[str, float] = field(default_factory=dict)  # start-up phase -> seconds (StartupTimes)
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters in host memory

@@ -9,6 +9,14 @@ class InvalidRequestError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
+class AdapterNotFoundError(InvalidRequestError):
+    """A LoRA adapter no one registered (a 404, as OpenAI answers an unknown model)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__("model", f"the model {name!r} does not exist: no base model or LoRA adapter has that name")
+
+
 class ConfigError(ValueError):
     """An engine configuration that cannot work on this model or machine."""
 

@@ -7,8 +7,11 @@ scheduler and touches no engine state: any thread may build requests.
 import operator
 import time
 
-from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.errors import AdapterNotFoundError, InvalidRequestError
 from kvloom.engine.logits_processors import LogitsAdjuster
+from kvloom.engine.lora.adapter import AdapterRef
+from kvloom.engine.lora.identity import LoRARequest
+from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import GrammarCompiler
@@ -24,8 +27,9 @@ def check_unicode(field: str, value) -> None:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
-                 grammars: GrammarCompiler) -> None:
+                 grammars: GrammarCompiler, adapters: LoRARegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.adapters = adapters
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
@@ -43,9 +47,12 @@ class InputProcessor:
         return self.tokenizer.encode(prompt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate and tokenize; a missing max_tokens becomes what max_model_len leaves after the prompt."""
+                     priority: int = 0, arrival_time: float | None = None,
+                     lora: str | LoRARequest | None = None) -> Request:
+        """Validate and tokenize; a missing max_tokens becomes what max_model_len leaves after the prompt. `lora`:
+        the adapter (its name, or name and directory), read from disk now if it is not loaded."""
         params = params or SamplingParams()
+        adapter = self.adapter(lora) if lora else None
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         try:  # a float id would pass the range check below and then fail every later step
@@ -69,7 +76,14 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
             logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
             grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
+            lora=adapter,
         )
+
+    def adapter(self, lora: str | LoRARequest) -> AdapterRef:
+        lora = LoRARequest(name=lora) if isinstance(lora, str) else lora
+        if self.adapters is None:
+            raise AdapterNotFoundError(lora.name)
+        return self.adapters.resolve(lora.name, lora.path)
 
     def _within_room(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """max_tokens within what max_model_len leaves (None: all of it), refused as vLLM and OpenAI refuse it

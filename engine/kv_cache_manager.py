@@ -39,7 +39,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[KVBlock] = []
-        parent: int | None = None
+        parent = request.hash_root
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         for i in range(max_blocks):
@@ -115,7 +115,7 @@ class KVCacheManager:
         tokens = request.token_ids
         for i in range(len(request.block_hashes), num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
-            parent = request.block_hashes[-1] if request.block_hashes else None
+            parent = request.block_hashes[-1] if request.block_hashes else request.hash_root
             block_hash = hash_block(parent, chunk)
             request.block_hashes.append(block_hash)
             self.pool.register(held[i], block_hash, chunk)

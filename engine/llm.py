@@ -20,17 +20,22 @@ class LLM:
         prompts: str | list[int] | list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora: str | list[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt as one continuous batch; outputs come back in prompt order. One prompt (a string or
         a list of token ids) is a batch of one, as vLLM takes it. Every prompt is checked before any is queued,
-        so a bad one raises with the engine as it was."""
+        so a bad one raises with the engine as it was. `lora`: a LoRA adapter's name for every prompt, or one
+        per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise InvalidRequestError("params", f"{len(params_list)} sampling params for {len(prompts)} prompts")
-        requests = [self.engine.make_request(f"offline-{i}", prompt, p)
-                    for i, (prompt, p) in enumerate(zip(prompts, params_list))]
+        adapters = lora if isinstance(lora, list) else [lora] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise InvalidRequestError("lora", f"{len(adapters)} adapter names for {len(prompts)} prompts")
+        requests = [self.engine.make_request(f"offline-{i}", prompt, p, lora=name)
+                    for i, (prompt, p, name) in enumerate(zip(prompts, params_list, adapters))]
         for request in requests:
             self.engine.add_prepared(request)
         finished: dict[str, RequestOutput] = {}

@@ -13,10 +13,14 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.counter_draws import seed_words
 from kvloom.engine.detokenizer import token_decoder
 from kvloom.engine.engine_stats import EngineStats
-from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.lora.adapter_slots import AdapterSlots
+from kvloom.engine.lora.identity import LoRARequest
+from kvloom.engine.lora.registry import LoRARegistry
+from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.model.model_loader import eos_token_ids, load_decoder, load_tokenizer
@@ -59,13 +63,21 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.adapters = LoRARegistry(config.lora, self.model_config, self.dtype) if config.lora else None
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                     self.grammars)
+                                     self.grammars, self.adapters)
         self.outputs = OutputProcessor(token_decoder(self.tokenizer), self.eos_token_ids, self.max_model_len)
         self.block_size = config.block_size
         if config.tensor_parallel_size == 1:  # loaded first: a CUDA budget is profiled on it
             with self.startup.phase("weights"):
                 self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl)
+            if config.lora and not isinstance(self.decoder, FusedDecoder):
+                raise ConfigError("lora", "adapters patch kvloom's fused decoder, which does not cover this model "
+                                          "(model_impl: kvloom says why)")
+        # CUDA: the adapters' slot buffers, allocated before the KV budget is profiled (it leaves room for them)
+        self.adapter_slots = (AdapterSlots(self.model_config, config.lora.max_loras, config.lora.max_lora_rank,
+                                           self.dtype, self.device) if config.lora and self.device.type == "cuda"
+                              else None)
         # under tensor parallelism every rank holds the same blocks, each with its own KV heads: the widest
         # rank's share sets how many fit its budget
         bytes_per_token = max(s.local_config(self.model_config).kv_bytes_per_token(self.kv_dtype) for s in self.shards)
@@ -83,6 +95,7 @@ class LLMEngine:
                 self.decoder = self.runner.decoder
             else:
                 self.runner = self._runner(self.num_blocks)
+                self.runner.adapters, self.runner.adapter_slots = self.adapters, self.adapter_slots
         if self.device.type == "cuda" and config.tensor_parallel_size == 1 and not config.enforce_eager:
             with self.startup.phase("CUDA graphs"):
                 self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
@@ -91,7 +104,8 @@ class LLMEngine:
         trim_heap()  # what loading freed
         self.scheduler = Scheduler(SchedulerLimits(
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
-            config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000), self.kv)
+            config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000,
+            config.lora.max_loras if config.lora else None), self.kv)
         self.step_seconds = 0.0  # see EngineStats.step_seconds
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
@@ -110,13 +124,20 @@ class LLMEngine:
         return self.inputs.encode(prompt)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, arrival_time: float | None = None) -> Request:
-        """Validate and tokenize (`InputProcessor`); touches no engine state, so any thread may call it."""
-        return self.inputs.make_request(request_id, prompt, params, priority, arrival_time)
+                     priority: int = 0, arrival_time: float | None = None,
+                     lora: str | LoRARequest | None = None) -> Request:
+        """Validate and tokenize (`InputProcessor`); touches no engine state but the adapters' (thread-safe), so
+        any thread may call it. `lora`: a LoRA adapter, by name (or name and directory)."""
+        return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, lora)
+
+    def load_adapter(self, lora: str | LoRARequest) -> None:
+        """Read and check a LoRA adapter now, as a request naming it would; raises InvalidRequestError."""
+        self.inputs.adapter(lora)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    priority: int = 0, arrival_time: float | None = None) -> Request:
-        request = self.make_request(request_id, prompt, params, priority, arrival_time)
+                    priority: int = 0, arrival_time: float | None = None,
+                    lora: str | LoRARequest | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params, priority, arrival_time, lora)
         self.add_prepared(request)
         return request
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvloom.engine.logits_processors import LogitsAdjuster
+from kvloom.engine.lora.adapter import AdapterRef
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import OutputGrammar
 
@@ -41,6 +42,7 @@ class Request:
     grammar: OutputGrammar | None = None  # structured outputs: the matcher of the output so far
     fork_of: str | None = None  # n > 1: the sibling whose prompt KV this one shares (Scheduler._fork_source)
     draw_seed: tuple[int, int] = (0, 0)  # its draws' seed words (counter_draws); the engine sets them
+    lora: AdapterRef | None = None  # the LoRA adapter its rows run with (None: the base model)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens
@@ -78,6 +80,11 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def hash_root(self) -> int | None:
+        """The parent of its first block's hash: KV computed under an adapter is that adapter's alone."""
+        return self.lora.cache_root if self.lora is not None else None
 
     @property
     def is_finished(self) -> bool:

@@ -12,6 +12,9 @@ from kvloom.engine.cuda_graphs import DecodeGraphs
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.host_memory import advise_huge_pages
+from kvloom.engine.lora.lora_step import LoRAStep
+from kvloom.engine.lora.adapter_slots import AdapterSlots
+from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.speculation.rejection_sampler import verify
 from kvloom.engine.request import Request
@@ -33,6 +36,12 @@ def allocate_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.
     return cache.zero_()
 
 
+def by_adapter(scheduled: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+    """The step's requests with each LoRA adapter's together (base first), otherwise in their order: each
+    adapter's rows are then one segment (engine/lora/lora_step.py)."""
+    return sorted(scheduled, key=lambda item: item[0].lora.name if item[0].lora is not None else "")
+
+
 class ModelRunner:
     def __init__(
         self, decoder: FusedDecoder | StockDecoder, config: ModelConfig, backend: AttentionBackend,
@@ -52,6 +61,8 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None  # see capture_graphs
         self.staging = HostStaging(device)  # each step's inputs: one packed host buffer, one copy
+        self.adapters: LoRARegistry | None = None  # set where LoRA adapters are served
+        self.adapter_slots: AdapterSlots | None = None  # and on CUDA, their slot buffers
 
     def check_health(self) -> None:
         """Raises if a part of this runner outside the process died (see TensorParallelRunner)."""
@@ -89,7 +100,7 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of each request whose known tokens are all computed: one,
         or with drafted tokens (`spec_token_ids`, computed in this step too) those kept and the next."""
-        inputs, sample_requests = self.prepare(scheduled)
+        inputs, sample_requests = self.prepare(by_adapter(scheduled) if self.adapters is not None else scheduled)
         logits = self.forward(inputs)
         if not sample_requests:
             return {}
@@ -120,6 +131,10 @@ class ModelRunner:
                 sample_requests.append(request)
         inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, sample_rows, self.block_size,
                                   self.staging)
+        if self.adapters is not None and any(request.lora is not None for request, _ in scheduled):
+            rows = [(n, self.adapters.weights(r.lora) if r.lora is not None else None) for r, n in scheduled]
+            inputs.lora = (self.adapter_slots.step(rows, sample_rows) if self.adapter_slots is not None
+                           else LoRAStep.of_rows(rows, sample_rows))
         return inputs, sample_requests
 
     def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> DecodeGraphs:
@@ -131,10 +146,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The logits of the sample rows (None when there are none, or on a tensor-parallel worker). A plain
-        decode step replays a CUDA graph where one was captured."""
-        hidden = self.graphs.run(inputs) if self.graphs is not None else None
+        decode step without LoRA rows replays a CUDA graph where one was captured."""
+        hidden = self.graphs.run(inputs) if self.graphs is not None and not inputs.lora else None
         if hidden is None:
-            context = ForwardContext(inputs.meta, self.kv_caches, self.backend)
+            context = ForwardContext(inputs.meta, self.kv_caches, self.backend, inputs.lora)
             hidden = self.decoder(inputs.input_ids, inputs.positions, context, keep_rows=inputs.sample_rows)
         if not len(inputs.sample_rows):
             return None

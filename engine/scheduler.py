@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvloom.engine.batching import make_batching
 from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.lora.lora_step import admits_adapter
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
 
@@ -40,6 +41,7 @@ class SchedulerLimits:
     batching: str = "continuous"
     bucket_width: int = 64
     max_wait_s: float = 0.05
+    max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: no adapters served)
 
 
 @dataclass
@@ -170,11 +172,16 @@ class Scheduler:
     def _admit_waiting(self, budget: int, planned: dict[str, int], out: SchedulerOutput) -> int:
         """Admit in queue order among what the batching strategy allows; stop at the first misfit.
 
-        A request evicted this very step is not taken back in it (that would only thrash).
+        A request evicted this very step is not taken back in it (that would only thrash). A request whose LoRA
+        adapter would exceed the batch's adapter slots waits without holding back those behind it.
         """
+        adapters = {r.lora.name for r in self.running if r.lora is not None}
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in out.preempted:
                 break
+            adapter = request.lora.name if request.lora is not None else None
+            if not admits_adapter(adapter, adapters, self.limits.max_loras):
+                continue
             source = self._fork_source(request)
             if source is not None:
                 num_cached, num_new = request.num_tokens - 1, 1
@@ -194,6 +201,8 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if adapter is not None:
+                adapters.add(adapter)
             planned[request.request_id] = num_new
             budget -= num_new
         return budget
@@ -205,7 +214,7 @@ class Scheduler:
             return None
         source = next((r for r in self.running if r.request_id == request.fork_of), None)
         if (source is None or source.num_computed_tokens < request.num_tokens - 1
-                or source.prompt_token_ids != request.prompt_token_ids):
+                or source.prompt_token_ids != request.prompt_token_ids or source.lora != request.lora):
             return None
         return source
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.engine.lora.lora_step import NO_LORA, LoRAStep
 from kvloom.kernels.metadata import AttentionMetadata
 
 HEADER_LEN = 6
@@ -27,6 +28,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] rows whose logits are needed (empty: the LM head does not run)
+    lora: LoRAStep = NO_LORA  # the rows' LoRA adapters (one device: tensor parallelism serves none)
 
     def encode(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(header, body): header = op, T, B, table width, S, body length."""

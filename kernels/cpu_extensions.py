@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=c++20", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_prefill": "cpu_prefill.cpp",
-           "kvloom_cpu_fused": "cpu_fused.cpp", "kvloom_cpu_gemm": "cpu_gemm.cpp", "kvloom_cpu_pool": "cpu_pool.cpp"}
+           "kvloom_cpu_fused": "cpu_fused.cpp", "kvloom_cpu_gemm": "cpu_gemm.cpp", "kvloom_cpu_pool": "cpu_pool.cpp",
+           "kvloom_cpu_lora": "cpu_lora.cpp"}
 HERE = Path(__file__).parent
 
 

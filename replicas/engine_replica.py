@@ -29,6 +29,7 @@ from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
+from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.outputs import RequestOutput
 from kvloom.replicas.messages import (Chunk, ReplicaError, ReplicaStats, RouterView, StepChunks, SubmitReply,
                                      SubmitRequest)
@@ -145,7 +146,7 @@ class EngineReplica:
             num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
             engine_step_seconds=s.step_seconds,
             spec_decode=report.spec_decode, cached_prefix_hashes=report.recent_prefix_hashes,
-            startup={"process start": self.process_start_s, **report.startup},
+            startup={"process start": self.process_start_s, **report.startup}, lora_adapters=report.lora_adapters,
             healthy=self.engine.dead_error is None, time=time.time(),
         )
 
@@ -153,7 +154,7 @@ class EngineReplica:
         """The engine's request for a router's message (a dict is validated as one first)."""
         message = SubmitRequest.model_validate(message)
         req = self.engine.make_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                       message.engine_priority)
+                                       message.engine_priority, message.lora)
         req.fork_of = message.fork_of
         return req
 
@@ -191,6 +192,14 @@ class EngineReplica:
         except (InvalidRequestError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
             return SubmitReply(self.replica_id, self.refusal(exc))
         return SubmitReply(self.replica_id)
+
+    def check_adapter(self, lora: LoRARequest) -> ReplicaError | None:
+        """Load a LoRA adapter (POST /v1/load_lora_adapter): None, or why this base model cannot serve it."""
+        try:
+            self.engine.load_adapter(lora)
+        except InvalidRequestError as exc:
+            return self.refusal(exc)
+        return None
 
     async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[StepChunks]:
         """The chunks of every request submitted on `channel`, a step's worth per item: one Ray message per

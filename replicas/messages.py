@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.sampling import SamplingParams
 
 
@@ -36,6 +37,7 @@ class SubmitRequest(BaseModel):
     engine_priority: int = 0  # the engine's scheduling priority (lower runs first): the tenant's class, aged
     fork_of: str | None = None  # a request whose prompt KV this one shares (a prompt's later choices)
     continuation: Continuation | None = None
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 @dataclass
@@ -124,6 +126,7 @@ class ReplicaStats:
     cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
     startup: dict[str, float] = field(default_factory=dict)  # how long each part of its start took (seconds)
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (the router sends theirs here)
     healthy: bool = True
     time: float = 0.0
 

@@ -124,7 +124,7 @@ class AdmissionQueue:
                 self._unqueue(ticket)
                 continue
             credit_class = ticket.priority if self.policy.ranks_priority else 0
-            replica = self.table.choose(ticket.prompt_hashes, credit_class)
+            replica = self.table.choose(ticket.prompt_hashes, credit_class, ticket.adapter)
             if replica is None and self.fair_share_preemption:
                 replica = self.table.choose_below_share(ticket.tenant, ticket.weight)
             if replica is None:
@@ -132,7 +132,7 @@ class AdmissionQueue:
             ticket.boosted = (self.fair_share_preemption
                               and self.table.is_below_share(replica, ticket.tenant, ticket.weight))
             self._unqueue(ticket)
-            self.table.take(replica, ticket.prompt_hashes, credit_class, ticket.tenant, ticket.weight)
+            self.table.take(replica, ticket.prompt_hashes, credit_class, ticket.tenant, ticket.weight, ticket.adapter)
             self.counters.started(ticket.tenant)
             ticket.credit_class = credit_class
             if not ticket.dispatched:

@@ -105,7 +105,8 @@ class Dispatcher:
             raise
         ticket = Ticket(job.request_id, job.prompt_hashes, tenant.name, job.priority, tenant.weight,
                         job.prompt_tokens if admitted else 0, job.estimated_tokens, job.arrival,
-                        tenant.config.quotas.max_queue_wait_s)
+                        tenant.config.quotas.max_queue_wait_s,
+                        adapter=job.message.lora.name if job.message.lora is not None else None)
         try:
             async for chunk in self._attempts(job, ticket):
                 yield chunk
@@ -171,6 +172,7 @@ class Dispatcher:
         took (aborted requests count too), and note what the client has in `delivered`. A prompt's later
         choices count their generated tokens only."""
         tenant, label, own_prompt = job.tenant, job.tenant.name, not job.shares_prompt
+        lora = job.message.lora.name if job.message.lora is not None else ""
         async for chunk in response:
             generated = len(chunk.token_ids)
             if chunk.error is None and delivered.first_token_at is None and generated:
@@ -179,24 +181,24 @@ class Dispatcher:
                 self.recent_ttft.add(delivered.first_token_at - job.arrival, delivered.first_token_at)
                 self.awaiting_first_token.pop(job.request_id, None)
                 if own_prompt:
-                    self.metrics.prompt_tokens.labels(label).inc(chunk.prompt_tokens)
-                    tenant.usage.prompt_tokens += chunk.prompt_tokens
+                    self.metrics.prompt_tokens.labels(label, lora).inc(chunk.prompt_tokens)
+                    tenant.usage.add(lora, prompt_tokens=chunk.prompt_tokens)
             if chunk.error is None:
                 delivered.token_ids += chunk.token_ids
                 delivered.chars += len(chunk.text)
             if generated:
-                self.metrics.generation_tokens.labels(label).inc(generated)
-                tenant.usage.completion_tokens += generated
+                self.metrics.generation_tokens.labels(label, lora).inc(generated)
+                tenant.usage.add(lora, completion_tokens=generated)
                 tenant.quota.charge_completion(generated)
                 self.admission.charge(ticket, generated)
             if chunk.finish_reason is not None:
                 now = time.monotonic()
                 done = chunk.completion_tokens
                 if own_prompt:
-                    tenant.usage.requests += 1
+                    tenant.usage.add(lora, requests=1)
                 self.metrics.e2e.labels(label).observe(now - job.arrival)
                 if delivered.first_token_at is not None and done > 1:
                     self.metrics.tpot.labels(label).observe((now - delivered.first_token_at) / (done - 1))
-                self.metrics.requests.labels(label, chunk.finish_reason, chunk.replica).inc()
+                self.metrics.requests.labels(label, chunk.finish_reason, chunk.replica, lora).inc()
             yield chunk
             await asyncio.sleep(0)

@@ -66,9 +66,11 @@ class RouterMetrics:
         self.registry.register(ReplicaStatsCollector(table))
         r = self.registry
         self.router_queued = Gauge("kvloom:router_queue_length", "Requests waiting in the router", registry=r)
-        self.requests = Counter("kvloom:requests", "Finished requests", ["tenant", "finish_reason", "replica"], registry=r)
-        self.prompt_tokens = Counter("kvloom:prompt_tokens", "Prompt tokens processed", ["tenant"], registry=r)
-        self.generation_tokens = Counter("kvloom:generation_tokens", "Tokens generated", ["tenant"], registry=r)
+        # `lora`: the request's LoRA adapter ("" for the base model)
+        self.requests = Counter("kvloom:requests", "Finished requests", ["tenant", "finish_reason", "replica", "lora"],
+                                registry=r)
+        self.prompt_tokens = Counter("kvloom:prompt_tokens", "Prompt tokens processed", ["tenant", "lora"], registry=r)
+        self.generation_tokens = Counter("kvloom:generation_tokens", "Tokens generated", ["tenant", "lora"], registry=r)
         self.ttft = Histogram("kvloom:time_to_first_token_seconds", "Time to first token", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("kvloom:time_per_output_token_seconds", "Time per output token after the first", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvloom:e2e_request_latency_seconds", "Request latency", ["tenant"], buckets=LATENCY_BUCKETS, registry=r)

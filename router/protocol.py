@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvloom.engine.config import ADAPTER_NAME
 from kvloom.engine.sampling import SamplingParams, StructuredOutputs
 
 # Fields of OpenAI's or vLLM's API that change what is generated and that kvloom does not implement.
@@ -292,3 +293,16 @@ class TokenizeRequest(_Lenient):
 class DetokenizeRequest(_Lenient):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadAdapterRequest(_Lenient):
+    """vLLM's POST /v1/load_lora_adapter."""
+    model: str | None = None  # unused: present so that the router's model check applies alike
+    lora_name: str = Field(pattern=ADAPTER_NAME)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadAdapterRequest(_Lenient):
+    """vLLM's POST /v1/unload_lora_adapter."""
+    model: str | None = None
+    lora_name: str

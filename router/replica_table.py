@@ -15,7 +15,8 @@ preemption, and both capped at PREEMPTION_HEADROOM x credit in flight:
 
 A request goes to the replica holding the longest cached prefix of its prompt, unless that
 replica is busier than the least loaded one by more than `imbalance_threshold`; otherwise to the
-least loaded.
+least loaded. A LoRA adapter's request looks among the replicas holding the adapter first, and goes
+to another (which loads it) only when none of those has credit left.
 """
 
 import time
@@ -26,6 +27,7 @@ from kvloom.replicas.messages import ReplicaStats
 
 PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
 RETIRED_MEMORY_S = 600.0  # how long a retired replica's stats pushes are ignored (it ends long before)
+SENT_MEMORY_S = 10.0  # how long an adapter sent to a replica counts as held there without its report saying so
 
 
 @dataclass
@@ -39,6 +41,8 @@ class ReplicaState:
     classes: Counter = field(default_factory=Counter)  # in-flight requests per priority class
     tenants: Counter = field(default_factory=Counter)  # in-flight requests per tenant
     weights: dict[str, float] = field(default_factory=dict)  # of the tenants in flight
+    adapters: set[str] = field(default_factory=set)  # LoRA adapters it reported holding
+    adapters_sent: dict[str, float] = field(default_factory=dict)  # adapters sent there and not reported yet: when
 
     def capacity(self, slack: int) -> int:
         return self.stats.max_num_seqs + slack
@@ -58,6 +62,10 @@ class ReplicaState:
         within = self.tenants[tenant] + 1 <= unit * weight
         someone_over = any(n > unit * weights[t] for t, n in self.tenants.items() if t != tenant)
         return within and someone_over and self.has_headroom(slack)
+
+    def holds_adapter(self, name: str) -> bool:
+        """It reported the adapter, or got a request for it lately (a report may be older than that request)."""
+        return name in self.adapters or time.monotonic() - self.adapters_sent.get(name, -SENT_MEMORY_S) < SENT_MEMORY_S
 
     @property
     def load(self) -> int:
@@ -91,6 +99,8 @@ class ReplicaTable:
             state = self.replicas[replica_id] = ReplicaState(replica_id, stats, time.monotonic())
         state.stats, state.last_seen = stats, time.monotonic()
         state.cached = set(stats.cached_prefix_hashes)
+        state.adapters = set(stats.lora_adapters)
+        state.adapters_sent = {a: t for a, t in state.adapters_sent.items() if a not in state.adapters}
         if not stats.healthy:
             self.drop(replica_id)
 
@@ -115,11 +125,13 @@ class ReplicaTable:
         (Serve would send it to another replica). All live ones until Serve's set is known."""
         return [r for r in self.live() if self.serving is None or r.replica_id in self.serving]
 
-    def choose(self, prompt_hashes: list[int], priority: int = 0) -> ReplicaState | None:
+    def choose(self, prompt_hashes: list[int], priority: int = 0, adapter: str | None = None) -> ReplicaState | None:
         """The replica for a request, or None when no replica has credit left for its class."""
         open_replicas = [r for r in self.routable() if r.has_room(self.slack, priority)]
         if not open_replicas:
             return None
+        if adapter is not None:
+            open_replicas = [r for r in open_replicas if r.holds_adapter(adapter)] or open_replicas
         least = min(open_replicas, key=lambda r: (r.load, r.dispatched))
         best = max(open_replicas, key=lambda r: (r.prefix_match(prompt_hashes), -r.load))
         if best.prefix_match(prompt_hashes) > 0 and best.load - least.load <= self.imbalance_threshold:
@@ -138,13 +150,15 @@ class ReplicaTable:
         return replica.below_share(self.slack, tenant, weight)
 
     def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0, tenant: str = "default",
-             weight: float = 1.0) -> None:
+             weight: float = 1.0, adapter: str | None = None) -> None:
         replica.inflight += 1
         replica.dispatched += 1
         replica.classes[priority] += 1
         replica.tenants[tenant] += 1
         replica.weights[tenant] = weight
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
+        if adapter is not None:
+            replica.adapters_sent[adapter] = time.monotonic()  # and this adapter
 
     def give_back(self, replica: ReplicaState, priority: int = 0, tenant: str = "default") -> None:
         replica.inflight = max(0, replica.inflight - 1)

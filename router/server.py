@@ -23,11 +23,14 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.engine.config import LoRAConfig
+from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
+from kvloom.router.adapters import AdapterCatalog
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels, ReplicaGone
@@ -38,7 +41,7 @@ from kvloom.router.handles import DetachedHandle
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
 from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                    TokenizeRequest, UnsupportedFieldError)
+                                    LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.membership import ReplicaMembership
 from kvloom.router.scaling_log import ScalingLog
@@ -70,6 +73,7 @@ class RouterSettings(BaseModel):
     cold_start_timeout_s: float = 300.0
     scales_from_zero: bool = False  # no replica running is a state the deployment rests in, not "not ready"
     scale_for_priority: int | None = None  # the worst priority class whose queued requests are scaling backlog
+    lora: dict | None = None  # the engines' LoRAConfig: the adapters requests may name
 
 
 class TenancySettings(PolicyConfig):
@@ -118,13 +122,15 @@ class Router:
         bind_http_with_reusable_address()  # Serve binds this replica's direct-ingress port once __init__ returns
         self.settings = RouterSettings(**settings)
         self.tokenizer = load_fast_tokenizer(resolve_model_dir(self.settings.model))
+        self.adapters = AdapterCatalog(LoRAConfig(**self.settings.lora) if self.settings.lora else None,
+                                       (self.settings.served_model_name, self.settings.model))
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)
         self.tenants = TenantRegistry()
         self.metrics = RouterMetrics(self.table)
         self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
-        replicas_handle = DetachedHandle(replicas_handle)
+        replicas_handle = self.replicas = DetachedHandle(replicas_handle)
         streams = (DisaggStreams(replicas_handle, DetachedHandle(decode_handle), self.decode_table,
                                  self.settings.disagg_transport)
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
@@ -199,11 +205,6 @@ class Router:
                 for table in (self.table, self.decode_table) for r in table.live()]
 
     # ---- helpers ----------------------------------------------------------------------------
-    def _check_model(self, model: str) -> None:
-        if model not in (self.settings.served_model_name, self.settings.model):
-            raise APIError(404, f"model '{model}' does not exist; this server serves "
-                                f"'{self.settings.served_model_name}'", "model", "model_not_found")
-
     async def _body(self, request: Request) -> bytes:
         """The raw body, refused with 413 as soon as it passes `max_request_bytes` (not read whole first)."""
         limit = self.settings.max_request_bytes
@@ -245,7 +246,7 @@ class Router:
         except RecursionError as exc:
             raise APIError(400, "request body is nested too deeply", None, "invalid_json") from exc
         if parsed.model is not None:
-            self._check_model(parsed.model)
+            self.adapters.resolve(parsed.model)  # 404 for a model no one serves
         for name in set(parsed.ignored_fields()) - self.ignored_fields:
             self.ignored_fields.add(name)
             logger.warning("accepting and ignoring the unknown request field %r (it changes no output; said once)", name)
@@ -269,12 +270,15 @@ class Router:
             wanted, room = limit - len(token_ids), self.table.max_model_len() - len(token_ids)
             max_tokens = max(1, min(wanted, room) if room > 0 else wanted)
         priority = tenant.effective_priority(body.priority)
+        adapter = self.adapters.resolve(body.model, tenant) if body.model else None
         try:  # max_tokens None: as many as max_model_len leaves (the engine resolves it)
             sampling = body.sampling_params(max_tokens, logprobs, seed_offset=sibling)
-            message = SubmitRequest(request_id=uuid.uuid4().hex, prompt_token_ids=token_ids, sampling=sampling)
+            message = SubmitRequest(request_id=uuid.uuid4().hex, prompt_token_ids=token_ids, sampling=sampling,
+                                    lora=adapter.request if adapter else None)
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
-        return Job(message, prompt_block_hashes(token_ids, self.settings.block_size), tenant=tenant,
+        hashes = prompt_block_hashes(token_ids, self.settings.block_size, adapter.root if adapter else None)
+        return Job(message, hashes, tenant=tenant,
                    priority=priority, prompt_tokens=len(token_ids), max_tokens=max_tokens,
                    estimated_tokens=len(token_ids) + (max_tokens or self.table.max_model_len()))
 
@@ -338,9 +342,44 @@ class Router:
             return exc.response()
         if (not_ready := self._not_ready()) is not None:
             return not_ready.response()
-        return {"object": "list", "data": [{
-            "id": self.settings.served_model_name, "object": "model", "created": self.created, "owned_by": "kvloom",
-            "root": self.settings.model, "parent": None, "max_model_len": self.table.max_model_len() or None}]}
+        base = {"object": "model", "created": self.created, "owned_by": "kvloom",
+                "max_model_len": self.table.max_model_len() or None}
+        return {"object": "list", "data": [
+            {"id": self.settings.served_model_name, "root": self.settings.model, "parent": None, **base},
+            *({"id": name, "root": path, "parent": self.settings.served_model_name, **base}
+              for name, path in sorted(self.adapters.served().items()))]}
+
+    # ---- LoRA adapters at run time (vLLM's endpoints and shapes) -------------------------------
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request):
+        """Register an adapter by name and directory (admin key); a replica reads and checks it first, so one
+        that does not fit the base model is a 400 here, not a failure on its first request."""
+        try:
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            body: LoadAdapterRequest = await self._parse(request, LoadAdapterRequest)
+            if self.adapters.config is None:
+                raise APIError(400, "this server serves no LoRA adapters (set lora in its config)", "lora_name",
+                               "lora_disabled")
+            if body.lora_name in self.adapters.served() or body.lora_name in self.adapters.base_names:
+                raise APIError(400, f"the name '{body.lora_name}' is taken", "lora_name", "adapter_exists")
+            refusal = await self.replicas.check_adapter.remote(LoRARequest(name=body.lora_name, path=body.lora_path))
+            if refusal is not None:
+                raise APIError(400, refusal.message, refusal.param, "invalid_adapter")
+        except APIError as exc:
+            return exc.response()
+        self.adapters.register(body.lora_name, body.lora_path)
+        return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request):
+        """Forget an adapter loaded by name (admin key): new requests for it get 404; running ones finish."""
+        try:
+            self.tenants.authenticate_admin(request.headers.get("authorization"))
+            body: UnloadAdapterRequest = await self._parse(request, UnloadAdapterRequest)
+            self.adapters.unregister(body.lora_name)
+        except APIError as exc:
+            return exc.response()
+        return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

@@ -39,6 +39,7 @@ class TenantConfig(BaseModel):
     priority: int = Field(0, description="default priority class; lower runs first")
     best_priority: int | None = Field(None, description="lowest priority value it may ask for; default: `priority`")
     quotas: Quotas = Field(default_factory=Quotas)
+    lora_adapters: list[str] | None = Field(None, description="the LoRA adapters it may use (none listed: every one)")
 
     @field_validator("api_keys")
     @classmethod
@@ -84,11 +85,24 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     rejected: dict[str, int] = field(default_factory=dict)  # by reason (the error code)
+    lora: dict[str, "Usage"] = field(default_factory=dict)  # the same counts for each LoRA adapter used
+
+    def add(self, adapter: str = "", requests: int = 0, prompt_tokens: int = 0, completion_tokens: int = 0) -> None:
+        """Count processed work, under `adapter` too where it ran with one."""
+        for usage in (self, self.lora.setdefault(adapter, Usage())) if adapter else (self,):
+            usage.requests += requests
+            usage.prompt_tokens += prompt_tokens
+            usage.completion_tokens += completion_tokens
 
     def as_dict(self) -> dict:
-        return {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens, "rejected": dict(self.rejected)}
+        counts = {"requests": self.requests, "prompt_tokens": self.prompt_tokens,
+                  "completion_tokens": self.completion_tokens,
+                  "total_tokens": self.prompt_tokens + self.completion_tokens}
+        if not self.lora:
+            return {**counts, "rejected": dict(self.rejected)}
+        return {**counts, "rejected": dict(self.rejected),
+                "lora": {name: {k: v for k, v in usage.as_dict().items() if k != "rejected"}
+                         for name, usage in sorted(self.lora.items())}}
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Ticket:
     queued: bool = False
     dispatched: bool = False  # reached a replica at least once (its prompt was charged)
     credit_class: int = 0  # the class whose replica credit it holds while dispatched
+    adapter: str | None = None  # its LoRA adapter: replicas holding it are preferred
     boosted: bool = False  # its tenant is within its share of the replica's slots while another is over
 
     @property

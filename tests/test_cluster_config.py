@@ -99,3 +99,17 @@ def test_one_way_of_scaling_at_a_time(tmp_path):
     path.write_text("num_replicas: 2\n" + AUTOSCALING.format(min=1, max=3, target="{kv_usage: 0.8}", down=30))
     with pytest.raises(ClusterConfigError, match="autoscaling: set only one of num_replicas, autoscaling"):
         load_cluster_config(path)
+
+
+def test_lora_at_the_top_level_configures_the_engines_and_is_checked_at_load(tmp_path):
+    path = tmp_path / "lora.yaml"
+    path.write_text("lora:\n  adapters: {bot: /adapters/bot}\n  max_loras: 2\n")
+    config = load_cluster_config(path)
+    assert config.engine.lora.adapters == {"bot": "/adapters/bot"} and config.engine.lora.max_loras == 2
+    for text, key in [("lora: {}\nengine:\n  lora: {}\n", "lora: set it once"),
+                      ("lora:\n  adapters: {'smollm2:bot': /x}\n", "adapter name 'smollm2:bot'"),
+                      ("lora:\n  max_loras: 8\n  max_cpu_loras: 2\n", "max_cpu_loras (2) must be at least"),
+                      ("lora: {}\nengine:\n  tensor_parallel_size: 2\n", "lora with tensor_parallel_size")]:
+        path.write_text(text)
+        with pytest.raises(ClusterConfigError, match=key.replace("(", r"\(").replace(")", r"\)")):
+            load_cluster_config(path)

@@ -266,7 +266,8 @@ async def test_usage_equals_the_sum_of_usage_returned_to_clients(server):
         got = {k: after[tenant][k] - before[tenant][k] for k in returned}
         assert got == returned
         assert after[tenant]["requests"] - before[tenant]["requests"] == 4  # a prompt's n choices: one request
-        generated = f'kvloom:generation_tokens_total{{tenant="{tenant}"}} {float(after[tenant]["completion_tokens"])}'
+        generated = (f'kvloom:generation_tokens_total{{lora="",tenant="{tenant}"}} '
+                     f'{float(after[tenant]["completion_tokens"])}')
         assert generated in metrics
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.engine.lora.lora_step import NO_LORA, LoRAStep
 from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.metadata import AttentionMetadata
 
@@ -21,6 +22,7 @@ class ForwardContext:
     meta: AttentionMetadata
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (key_cache, value_cache)
     backend: AttentionBackend
+    lora: LoRAStep = NO_LORA  # the LoRA deltas kvloom's fused decoder adds to its linears
 
 
 def paged_attention_forward(

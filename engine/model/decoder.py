@@ -32,6 +32,7 @@ import torch
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.host_memory import release_pages
+from kvloom.engine.lora.lora_step import LoRAStep
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tensor_parallel.tp_group import SingleDevice, TensorParallelGroup
@@ -132,13 +133,14 @@ class FusedDecoder:
         residual = self.group.embed(input_ids, self.embed)
         cos, sin = self.rotary.cos_sin(positions)
         dtype, eps = self.dtype, self.eps
-        meta, backend = context.meta, context.backend
+        meta, backend, lora = context.meta, context.backend, context.lora
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
         hidden = add_rms_norm_(residual, None, layers[0].input_norm, eps, dtype)
         last = len(layers) - 1
         for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(zip(layers, next_norms, context.kv_caches)):
             qkv = layer.qkv(hidden)
+            lora.add(i, "qkv", hidden, qkv)
             rotary_embedding_(qkv, cos, sin, heads + kv_heads, head_dim)
             q, k, v = qkv.split(split, dim=-1)
             k, v = k.view(num_tokens, kv_heads, head_dim), v.view(num_tokens, kv_heads, head_dim)
@@ -148,24 +150,34 @@ class FusedDecoder:
             out = backend.paged_attention(q.view(num_tokens, heads, head_dim), key_cache, value_cache, meta,
                                           self.scale)
             if i == last and keep_rows is not None:
-                out, residual = out[keep_rows], residual[keep_rows]
-            attention_out = self.group.all_reduce(layer.o_proj(out.reshape(out.shape[0], -1)))
-            hidden = add_rms_norm_(residual, attention_out, layer.post_attention_norm, eps, dtype)
-            hidden = self._mlp(layer, hidden, residual, next_norm)
+                out, residual, lora = out[keep_rows], residual[keep_rows], lora.kept_rows()
+            out = out.reshape(out.shape[0], -1)
+            attention_out = layer.o_proj(out)
+            lora.add(i, "o_proj", out, attention_out)
+            hidden = add_rms_norm_(residual, self.group.all_reduce(attention_out), layer.post_attention_norm, eps,
+                                   dtype)
+            hidden = self._mlp(i, hidden, residual, next_norm, lora)
         return hidden
 
-    def _mlp(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor, next_norm: torch.Tensor):
-        """The MLP, joined to the residual and normalized for the next sublayer, MLP_ROWS rows at a time.
+    def _mlp(self, index: int, hidden: torch.Tensor, residual: torch.Tensor, next_norm: torch.Tensor,
+             lora: LoRAStep):
+        """Layer `index`'s MLP (LoRA deltas added), joined to the residual and normalized for the next sublayer,
+        MLP_ROWS rows at a time.
 
         Rows are independent here, and a prefill step's intermediates at full width (2048 rows: 25 MB
         for gate|up, 12 MB after SiLU-and-multiply) would fall out of cache between the GEMM and the
         elementwise pass, and add to the process's peak memory.
         """
-        chunks = []
-        for i in range(0, hidden.shape[0], MLP_ROWS):
-            rows = slice(i, i + MLP_ROWS)
-            mlp_out = self.group.all_reduce(layer.down(silu_and_mul(layer.gate_up(hidden[rows]))))
-            chunks.append(add_rms_norm_(residual[rows], mlp_out, next_norm, self.eps, self.dtype))
+        layer, chunks = self.layers[index], []
+        for first in range(0, hidden.shape[0], MLP_ROWS):
+            rows = slice(first, first + MLP_ROWS)
+            gate_up = layer.gate_up(hidden[rows])
+            lora.add(index, "gate_up", hidden[rows], gate_up, first)
+            activated = silu_and_mul(gate_up)
+            mlp_out = layer.down(activated)
+            lora.add(index, "down", activated, mlp_out, first)
+            chunks.append(add_rms_norm_(residual[rows], self.group.all_reduce(mlp_out), next_norm, self.eps,
+                                        self.dtype))
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def runs_on_own_kernels(self) -> bool:

@@ -1,0 +1,195 @@
+"""Multi-LoRA on W1: the base model alone against 1, 8 and 32 random adapters (ranks 8, 16 and 64 in turn, every
+projection patched) spread over the requests uniformly and Zipf-skewed, and 100 registered adapters with max_loras 8
+under the Zipf mix; and what loading an adapter cold costs. Each mix runs in a fresh process, one after another in
+one run, so the ratios to the base come from one run on one host.
+
+    python -m kvloom.benchmarks.lora [--requests 64] [--model smollm2]
+
+writes benchmarks/results/lora.{md,json} (adapters and per-system records under benchmarks/out/lora).
+"""
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from kvloom.benchmarks.bench import environment, in_fresh_process, run_systems
+from kvloom.benchmarks.harness import BenchSettings, SystemSpec
+from kvloom.benchmarks.random_weights import write_random_adapter
+from kvloom.benchmarks.report import environment_lines
+from kvloom.benchmarks.run_results import latency_cell, metric
+from kvloom.benchmarks.workloads import Workload, default_corpus, make_workload
+from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RUNS_DIR = Path(__file__).resolve().parent / "out" / "lora"
+RANKS = (8, 16, 64)
+ZIPF_S = 1.1  # request share of the i-th most popular adapter ~ 1 / i^s
+BASE = "base"
+
+
+@dataclass(frozen=True)
+class Mix:
+    name: str
+    adapters: int  # registered
+    spread: str  # "uniform" | "zipf": how requests pick among them
+    max_loras: int
+    ranks: tuple[int, ...] = RANKS  # the i-th adapter's rank: ranks[i % len(ranks)]
+
+    @property
+    def names(self) -> list[str]:
+        return [f"r{self.ranks[i % len(self.ranks)]}-{i}" for i in range(self.adapters)]
+
+
+MIXES = (Mix("1 adapter", 1, "uniform", 1, (16,)), *(Mix(f"8 uniform r{r}", 8, "uniform", 8, (r,)) for r in RANKS),
+         Mix("8 uniform", 8, "uniform", 8), Mix("8 zipf", 8, "zipf", 8), Mix("32 uniform", 32, "uniform", 32),
+         Mix("32 zipf", 32, "zipf", 32), Mix("100 zipf max_loras 8", 100, "zipf", 8))
+
+
+def make_adapters(model: str, names: set[str], root: Path) -> dict[str, str]:
+    """Random PEFT adapters for `model`, named r<rank>-<i> (made once; kept under `root`)."""
+    from kvloom.engine.model.model_config import ModelConfig
+    from kvloom.engine.model.model_files import resolve_model_dir
+
+    config = ModelConfig.from_dir(resolve_model_dir(model))
+    paths = {}
+    for name in sorted(names):
+        path = root / name
+        if not (path / "adapter_config.json").is_file():
+            rank, seed = (int(part) for part in name.removeprefix("r").split("-"))
+            write_random_adapter(path, config, rank, seed=seed, scale=0.02)
+        paths[name] = str(path)
+    return paths
+
+
+def assign(workload: Workload, mix: Mix, seed: int = 0) -> Workload:
+    """The same requests, each with an adapter drawn by the mix's spread."""
+    names = mix.names
+    rng = np.random.default_rng(seed)
+    if mix.spread == "zipf":
+        weights = 1 / np.arange(1, len(names) + 1) ** ZIPF_S
+        picks = rng.choice(len(names), len(workload.requests), p=weights / weights.sum())
+    else:
+        picks = np.arange(len(workload.requests)) % len(names)
+    requests = [replace(r, lora=names[i]) for r, i in zip(workload.requests, picks)]
+    return Workload(workload.name, requests, {**workload.params, "lora_mix": mix.name})
+
+
+def cold_load(model: str, adapters: dict[str, str], dtype: str) -> list[dict]:
+    """Seconds from an adapter's name to its first generated token, loaded cold (read from disk) and warm, per rank."""
+    from kvloom.engine.llm_engine import LLMEngine
+    from kvloom.engine.sampling import SamplingParams
+
+    names = list(adapters)
+    engine = LLMEngine(model=model, dtype=dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+                       lora={"adapters": adapters, "max_loras": 1})
+    engine.warm_up()
+    rows = []
+    for name in names:
+        row = {"adapter": name}
+        for state in ("cold", "warm"):
+            start = time.perf_counter()
+            engine.add_request(f"{name}-{state}", [1, 2, 3, 4], SamplingParams(max_tokens=1, temperature=0), lora=name)
+            while engine.has_unfinished():
+                engine.step()
+            row[f"{state}_s"] = time.perf_counter() - start
+        row["host_mb"] = engine.adapters.weights(engine.inputs.adapter(name)).nbytes / 2**20
+        rows.append(row)
+    return rows
+
+
+def goals(doc: dict) -> list[tuple[str, str, bool | None]]:
+    base = metric(doc["runs"][BASE], BASE, "output_tok_s")
+
+    def ratio(mix: str) -> float | None:
+        run = doc["runs"].get(mix)
+        ours = metric(run, mix, "output_tok_s") if run else None
+        return ours / base if ours and base else None
+
+    rows = []
+    checks = [(f"8 adapters of rank {r} mixed in every step: >= 0.85x the base model's W1 throughput",
+               f"8 uniform r{r}", 0.85) for r in RANKS]
+    checks += [("8 adapters of ranks 8, 16 and 64 mixed in every step: >= 0.85x the base", "8 uniform", 0.85),
+               ("100 adapters, max_loras 8, Zipf mix: >= 0.75x the base, no request fails", "100 zipf max_loras 8",
+                0.75)]
+    for goal, mix, floor in checks:
+        r = ratio(mix)
+        failed = [s["status"] for s in doc["runs"].get(mix, {}).get("results", []) if s["status"] != "ok"]
+        rows.append((goal, f"{r:.2f}x" + (f" ({', '.join(failed)})" if failed else "") if r else "not measured",
+                     (r >= floor and not failed) if r else None))
+    rows.append(("at least 1.5x vLLM's CPU build with --enable-lora, offline and over HTTP", "not measured: vLLM's "
+                 "CPU build was not run by this benchmark (see the note)", None))
+    return rows
+
+
+def write_report(doc: dict, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "lora.json").write_text(json.dumps(doc, indent=1))
+    base = metric(doc["runs"][BASE], BASE, "output_tok_s")
+    lines = ["# Multi-LoRA: W1 with adapters mixed in every step", "", environment_lines(doc["environment"]),
+             f"dtype {doc['dtype']}; {doc['num_requests']} W1 requests; regenerate with "
+             f"`python -m kvloom.benchmarks.lora` ({doc['wall_s'] / 60:.0f} min). Adapters: random, every projection "
+             f"patched, ranks {', '.join(map(str, RANKS))} in turn unless the mix names one; Zipf s = {ZIPF_S}.", "",
+             "## Goals", "", "| goal | measured | met |", "|---|---|---|"]
+    lines += [f"| {g} | {m} | {'–' if met is None else 'yes' if met else '**no**'} |" for g, m, met in goals(doc)]
+    lines += ["", "## Throughput and latency", "",
+              "| mix | adapters | max_loras | out tok/s | vs base | TPOT p50 / p99 ms | TTFT p50 s | status |",
+              "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for name, run in doc["runs"].items():
+        result = run["results"][0]
+        m = result["metrics"]
+        mix = next((x for x in MIXES if x.name == name), None)
+        if not m:
+            lines.append(f"| {name} | – | – | – | – | – | – | {result['status']} |")
+            continue
+        lines.append(f"| {name} | {mix.adapters if mix else 0} | {mix.max_loras if mix else '–'} | "
+                     f"{m['output_tok_s']:.1f} | {m['output_tok_s'] / base:.2f}x | "
+                     f"{latency_cell(m['tpot'], 'p50', ms=True)} / {latency_cell(m['tpot'], 'p99', ms=True)} | "
+                     f"{latency_cell(m['ttft'], 'p50', ms=False)} | "
+                     f"{result['status']} |")
+    lines += ["", "## Loading an adapter cold", "",
+              "From the adapter's name to its first token of a 4-token prompt: cold reads and checks the PEFT files "
+              "(configured adapters are checked at start but read when a request first needs one), warm finds it in "
+              "host memory.", "",
+              "| adapter | cold s | warm s | host MB |", "|---|---:|---:|---:|"]
+    lines += [f"| {r['adapter']} | {r['cold_s']:.3f} | {r['warm_s']:.3f} | {r['host_mb']:.0f} |" for r in doc["cold"]]
+    path = out / "lora.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvloom.benchmarks.lora", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=64, help="W1 requests (64: the whole workload)")
+    parser.add_argument("--mixes", default=",".join(m.name for m in MIXES), help="comma-separated mix names")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    dtype = auto_cpu_dtype(host_isa())
+    settings = BenchSettings(model=args.model)
+    workload = make_workload("offline-mixed", default_corpus(args.model), seed=0, num_requests=args.requests)
+    mixes = [m for m in MIXES if m.name in args.mixes.split(",")]
+    cold = {f"r{rank}-{i}" for i, rank in enumerate(RANKS)}
+    adapters = make_adapters(args.model, cold.union(*(m.names for m in mixes)), RUNS_DIR / "adapters")
+    runs = {BASE: run_systems(workload, [SystemSpec(BASE, "kvloom", engine={"dtype": dtype})], settings,
+                              RUNS_DIR / BASE, BASE)}
+    for mix in mixes:
+        lora = {"adapters": {n: adapters[n] for n in mix.names}, "max_loras": mix.max_loras,
+                "max_cpu_loras": max(mix.adapters, mix.max_loras)}
+        system = SystemSpec(mix.name, "kvloom", engine={"dtype": dtype, "lora": lora})
+        runs[mix.name] = run_systems(assign(workload, mix), [system], settings,
+                                     RUNS_DIR / mix.name.replace(" ", "-").replace(",", ""), mix.name)
+    doc = {"environment": environment(settings), "dtype": dtype, "num_requests": len(workload.requests),
+           "mixes": [asdict(m) for m in mixes], "runs": runs,
+           "cold": in_fresh_process(cold_load, args.model, {n: adapters[n] for n in cold}, dtype),
+           "wall_s": time.monotonic() - started}
+    print(f"report: {write_report(doc, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""One step's LoRA deltas on CPU: the rows of each adapter, and the segmented GEMMs that add their deltas (punica's
+SGMV).
+
+The runner orders a step's requests by adapter, so each adapter's rows are one contiguous segment, and a fused
+linear's delta is `y[rows] += (x[rows] @ a.T) @ b` per adapter in the step, over views, with no gather. Segments of
+a few rows (decode) go to one C++ call per linear (kernels/cpu_lora.py), which streams each adapter's weights once
+and skips the zero blocks of b; longer ones (prompt chunks) to torch's GEMMs, where the arithmetic dominates. Base
+rows belong to no segment and cost nothing; a step without adapters holds none. CUDA: adapter_slots.py.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloom.engine.lora.adapter import LoRAAdapter
+from kvloom.kernels.cpu_lora import lora_add_, lora_extension
+
+NATIVE_MAX_ROWS = 16  # longer segments run torch's GEMMs (see the module docstring)
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first row of the step
+    end: int
+    adapter: LoRAAdapter
+
+
+@dataclass(frozen=True)
+class LoRAStep:
+    segments: tuple[Segment, ...] = ()
+    kept: tuple[Segment, ...] = ()  # the same adapters over the rows the LM head reads (the last layer's only rows)
+
+    @classmethod
+    def of_rows(cls, row_adapters: list[tuple[int, LoRAAdapter | None]], sample_rows: list[int]) -> "LoRAStep":
+        """From (row count, adapter) runs in row order; `sample_rows` ascending."""
+        segments, kept, start, kept_start = [], [], 0, 0
+        for count, adapter in row_adapters:
+            end = start + count
+            kept_end = kept_start + sum(1 for row in sample_rows if start <= row < end)
+            if adapter is not None:
+                _extend(segments, start, end, adapter)
+                _extend(kept, kept_start, kept_end, adapter)
+            start, kept_start = end, kept_end
+        return cls(tuple(segments), tuple(kept))
+
+    def __bool__(self) -> bool:
+        return bool(self.segments)
+
+    def kept_rows(self) -> "LoRAStep":
+        """The deltas of the rows the LM head reads, renumbered from 0 (the last layer's o_proj and MLP)."""
+        return LoRAStep(self.kept, self.kept)
+
+    def add(self, layer: int, linear: str, x: torch.Tensor, y: torch.Tensor, first_row: int = 0) -> None:
+        """y += the LoRA delta of `linear` for x's rows, which are the step's rows from `first_row` on."""
+        last_row = first_row + x.shape[0]
+        native = x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and lora_extension() is not None
+        shrinks, expands, rows, parts = [], [], [], []
+        for segment in self.segments:
+            lo, hi = max(segment.start, first_row) - first_row, min(segment.end, last_row) - first_row
+            pair = segment.adapter.layers[layer].get(linear)
+            if lo >= hi or pair is None:
+                continue
+            if native and hi - lo <= NATIVE_MAX_ROWS:
+                shrinks.append(pair.a)
+                expands.append(pair.b)
+                rows += (lo, hi)
+                parts += pair.part_table
+            else:
+                shrunk = x[lo:hi] @ pair.a.t()
+                for r0, r1, c0, c1 in pair.parts:  # the nonzero blocks of b only
+                    y[lo:hi, c0:c1].addmm_(shrunk[:, r0:r1], pair.b[r0:r1, c0:c1])
+        if shrinks:
+            lora_add_(y, x, shrinks, expands, rows, parts)
+
+
+NO_LORA = LoRAStep()
+
+
+def _extend(segments: list[Segment], start: int, end: int, adapter: LoRAAdapter) -> None:
+    """Rows [start, end) of `adapter`: joined to the last segment where they continue it."""
+    if start == end:
+        return
+    if segments and segments[-1].adapter is adapter and segments[-1].end == start:
+        start = segments.pop().start
+    segments.append(Segment(start, end, adapter))
+
+
+def admits_adapter(adapter_name: str | None, running_adapters: set[str], max_loras: int | None) -> bool:
+    """The scheduler's adapter slots: a request joins the running batch if its adapter is already in it, or the
+    batch holds fewer than `max_loras` adapters (base requests always may)."""
+    return adapter_name is None or adapter_name in running_adapters or len(running_adapters) < max_loras

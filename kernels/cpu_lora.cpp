@@ -1,0 +1,165 @@
+// LoRA deltas of a step's small adapter segments on CPU (punica's SGMV): y[rows] += (x[rows] @ A) @ B for each
+// segment's own adapter, in one call per linear. A decode step's segments are a few rows each, where a GEMM library
+// call costs more in set-up than the arithmetic (torch's mm at 4 rows of SmolLM2: ~45 us for 0.4 MFLOP) and its
+// weights are read once anyway: this streams each adapter's A and B once per block of up to ROWS rows, and reads
+// of B skip its zero blocks (a fused linear's B holds each part's
+// B over that part's columns only: the `parts` table).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "cpu_deal.h"
+#include "cpu_vec.h"
+
+namespace {
+
+constexpr int64_t ROWS = 4;  // rows sharing each load of A and B (a work item's rows)
+
+inline float widen(float x) { return x; }
+inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
+template <typename T>
+inline T narrow(float x) { return static_cast<T>(x); }
+
+inline float lanes_sum(vfloat v) {
+  float sum = 0.0f;
+  for (int j = 0; j < W; ++j) sum += v[j];
+  return sum;
+}
+
+constexpr int64_t UNROLL = 4;  // rows of A or B read together: each load of x or of a partial sum serves four
+
+// One work item: M rows of one segment, with its adapter's A [R, in] (PEFT's lora_A rows, each part's stacked) and
+// B [R, out] and parts (r0, r1, c0, c1): B's rows r0..r1 are nonzero over columns c0..c1 only. Both are read row by
+// row, contiguously: a cold adapter streams from memory at the prefetcher's pace (column strips of them ran at a
+// fifth of it). A row past the end reads a real row again and counts nothing.
+template <typename T, int M>
+void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b, int64_t in,
+                  int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts, std::vector<float>& shrunk,
+                  std::vector<float>& sums) {
+  shrunk.resize(M * rank);
+  for (int64_t r = 0; r < rank; r += UNROLL) {  // shrunk[i][r + u] = x[i] . A[r + u]
+    const T* rows[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) rows[u] = a + std::min(r + u, rank - 1) * in;
+    vfloat acc[UNROLL][M] = {};
+    int64_t k = 0;
+    for (; k + W <= in; k += W) {
+      vfloat av[UNROLL];
+      for (int u = 0; u < UNROLL; ++u) av[u] = load(rows[u] + k);
+      for (int i = 0; i < M; ++i) {
+        const vfloat xv = load(x + i * x_stride + k);
+        for (int u = 0; u < UNROLL; ++u) acc[u][i] += xv * av[u];
+      }
+    }
+    for (int u = 0; u < UNROLL && r + u < rank; ++u)
+      for (int i = 0; i < M; ++i) {
+        float sum = lanes_sum(acc[u][i]);
+        for (int64_t kk = k; kk < in; ++kk) sum += widen(x[i * x_stride + kk]) * widen(rows[u][kk]);
+        shrunk[i * rank + r + u] = sum;
+      }
+  }
+  for (int64_t p = 0; p < num_parts; ++p) {  // sums[i] = sum over r of shrunk[i][r] * B[r][c0:c1]
+    const int64_t r0 = parts[4 * p], r1 = parts[4 * p + 1], c0 = parts[4 * p + 2], width = parts[4 * p + 3] - c0;
+    sums.assign(M * width, 0.0f);
+    for (int64_t r = r0; r < r1; r += UNROLL) {
+      const T* rows[UNROLL];
+      float scale[UNROLL][M];
+      for (int u = 0; u < UNROLL; ++u) {
+        rows[u] = b + std::min(r + u, r1 - 1) * out + c0;
+        for (int i = 0; i < M; ++i) scale[u][i] = r + u < r1 ? shrunk[i * rank + r + u] : 0.0f;
+      }
+      int64_t c = 0;
+      for (; c + W <= width; c += W) {
+        vfloat bv[UNROLL];
+        for (int u = 0; u < UNROLL; ++u) bv[u] = load(rows[u] + c);
+        for (int i = 0; i < M; ++i) {
+          float* dst = sums.data() + i * width + c;
+          vfloat sum = load(dst);
+          for (int u = 0; u < UNROLL; ++u) sum += scale[u][i] * bv[u];
+          store(dst, sum);
+        }
+      }
+      for (; c < width; ++c)
+        for (int i = 0; i < M; ++i)
+          for (int u = 0; u < UNROLL; ++u) sums[i * width + c] += scale[u][i] * widen(rows[u][c]);
+    }
+    for (int i = 0; i < M; ++i) {
+      T* y_row = y + i * y_stride + c0;
+      const float* s = sums.data() + i * width;
+      for (int64_t c = 0; c < width; ++c) y_row[c] = narrow<T>(widen(y_row[c]) + s[c]);
+    }
+  }
+}
+
+template <typename T>
+void segment_rows(int64_t m, const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b,
+                  int64_t in, int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts,
+                  std::vector<float>& shrunk, std::vector<float>& sums) {
+  switch (m) {
+    case 1: return segment_rows<T, 1>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+    case 2: return segment_rows<T, 2>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+    case 3: return segment_rows<T, 3>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+    default: return segment_rows<T, 4>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+  }
+}
+
+// y [T, out] += each segment's delta; x [T, in]; a[s] [R_s, in], b[s] [R_s, out]; rows: (first, end) per segment,
+// already within x's rows; parts: per segment, its part count then (r0, r1, c0, c1) per part
+template <typename T>
+void add_deltas(const at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
+                const std::vector<at::Tensor>& b, const std::vector<int64_t>& rows, const std::vector<int64_t>& parts) {
+  struct Item { int64_t segment, lo, hi, parts_at; };
+  std::vector<Item> items;
+  int64_t at_part = 0;
+  for (size_t s = 0; s < a.size(); ++s) {
+    for (int64_t lo = rows[2 * s]; lo < rows[2 * s + 1]; lo += ROWS)
+      items.push_back({static_cast<int64_t>(s), lo, std::min(lo + ROWS, rows[2 * s + 1]), at_part});
+    at_part += 1 + 4 * parts[at_part];
+  }
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t in = x.size(1), out = y.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
+  std::vector<const T*> a_data, b_data;
+  std::vector<int64_t> ranks;
+  for (size_t s = 0; s < a.size(); ++s) {
+    a_data.push_back(a[s].data_ptr<T>());
+    b_data.push_back(b[s].data_ptr<T>());
+    ranks.push_back(a[s].size(0));
+  }
+  using Scratch = std::pair<std::vector<float>, std::vector<float>>;
+  deal_items(static_cast<int64_t>(items.size()), [] { return Scratch(); }, [&](int64_t n, Scratch& scratch) {
+    const Item& it = items[n];
+    segment_rows<T>(it.hi - it.lo, xp + it.lo * x_stride, x_stride, yp + it.lo * y_stride, y_stride,
+                    a_data[it.segment], b_data[it.segment], in, ranks[it.segment], out, parts.data() + it.parts_at + 1,
+                    parts[it.parts_at], scratch.first, scratch.second);
+  });
+}
+
+void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b, at::IntArrayRef rows,
+               at::IntArrayRef parts) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0));
+  TORCH_CHECK(a.size() == b.size() && rows.size() == 2 * a.size(), "lora_add_: one (a, b, rows) per segment");
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "lora_add_: x and y differ in dtype");
+  for (size_t s = 0; s < a.size(); ++s) {
+    TORCH_CHECK(a[s].is_contiguous() && b[s].is_contiguous() && a[s].scalar_type() == x.scalar_type() &&
+                b[s].scalar_type() == x.scalar_type() && a[s].size(1) == x.size(1) && b[s].size(1) == y.size(1) &&
+                a[s].size(0) == b[s].size(0), "lora_add_: segment ", s, "'s A and B do not fit x and y");
+    TORCH_CHECK(0 <= rows[2 * s] && rows[2 * s] <= rows[2 * s + 1] && rows[2 * s + 1] <= x.size(0));
+  }
+  const std::vector<at::Tensor> as(a.begin(), a.end()), bs(b.begin(), b.end());
+  const std::vector<int64_t> rs(rows.begin(), rows.end()), ps(parts.begin(), parts.end());
+  switch (x.scalar_type()) {
+    case at::kFloat: return add_deltas<float>(y, x, as, bs, rs, ps);
+    case at::kBFloat16: return add_deltas<at::BFloat16>(y, x, as, bs, rs, ps);
+    default: TORCH_CHECK(false, "lora_add_: unsupported dtype ", x.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, int[] rows, int[] parts) -> ()", &lora_add_);
+}
