@@ -30,6 +30,10 @@ class PrefillReplica(EngineReplica):
 
         await super().__init__(*args, **kwargs)
         self.pairs = PairGroups(self.replica_id, self.engine.device)
+        # object-store hand-offs: this replica owns each payload and holds it until the router releases the
+        # request (the decode side has the KV); a ref held only by borrowers was freed under a decode replica
+        # still fetching it once (ReferenceCountingAssertionError, a clean-clone CI run)
+        self.exports: dict[str, ray.ObjectRef] = {}
 
     async def prefill(self, message: SubmitRequest, target_replica: str | None = None) -> Chunk:
         """First token of a request; a `handoff` in the chunk means "decode the rest elsewhere"."""
@@ -56,7 +60,8 @@ class PrefillReplica(EngineReplica):
         from kvloom.engine.kv_handoff import export_kv
 
         header, payload = await self.engine.run_on_engine(lambda engine: export_kv(engine, request_id))
-        return {"header": asdict(header), "payload": [ray.put(payload)]}
+        self.exports[request_id] = ray.put(payload)
+        return {"header": asdict(header), "payload": [self.exports[request_id]]}
 
     async def send_kv(self, request_id: str, decode_replica: str, store_address: str, tag: int,
                       target_replica: str | None = None) -> None:
@@ -73,6 +78,7 @@ class PrefillReplica(EngineReplica):
             raise
 
     async def release(self, request_id: str, target_replica: str | None = None) -> bool:
+        self.exports.pop(request_id, None)
         return await self.engine.run_on_engine(lambda engine: engine.release_parked(request_id))
 
 
