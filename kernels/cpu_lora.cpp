@@ -1,9 +1,8 @@
 // LoRA deltas of a step's small adapter segments on CPU (punica's SGMV): y[rows] += (x[rows] @ A) @ B for each
 // segment's own adapter, in one call per linear. A decode step's segments are a few rows each, where a GEMM library
-// call costs more in set-up than the arithmetic (torch's mm at 4 rows of SmolLM2: ~45 us for 0.4 MFLOP) and its
-// weights are read once anyway: this streams each adapter's A and B once per block of up to ROWS rows, and reads
-// of B skip its zero blocks (a fused linear's B holds each part's
-// B over that part's columns only: the `parts` table).
+// call costs more in set-up than the arithmetic and its weights are read once anyway: this streams each adapter's
+// A and B once per block of up to ROWS rows, and reads of B skip its zero blocks (a fused linear's B holds each
+// part's B over that part's columns only: the `parts` table). Measurements: docs/performance.md, "multi-LoRA".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -34,8 +33,8 @@ constexpr int64_t UNROLL = 4;  // rows of A or B read together: each load of x o
 
 // One work item: M rows of one segment, with its adapter's A [R, in] (PEFT's lora_A rows, each part's stacked) and
 // B [R, out] and parts (r0, r1, c0, c1): B's rows r0..r1 are nonzero over columns c0..c1 only. Both are read row by
-// row, contiguously: a cold adapter streams from memory at the prefetcher's pace (column strips of them ran at a
-// fifth of it). A row past the end reads a real row again and counts nothing.
+// row, contiguously: a cold adapter streams from memory at the prefetcher's pace, where column strips of them did
+// not. A row past the end reads a real row again and counts nothing.
 template <typename T, int M>
 void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b, int64_t in,
                   int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts, std::vector<float>& shrunk,

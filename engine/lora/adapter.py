@@ -56,7 +56,6 @@ class LoRAPair:
 class LoRAAdapter:
     name: str
     path: Path
-    rank: int  # the largest of its parts' ranks
     cache_root: int  # its prompts' block-hash root (engine/lora/identity.py)
     layers: list[dict[str, LoRAPair]]  # per decoder layer: fused linear name -> its pair (absent: not patched)
 
@@ -95,17 +94,15 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         if layer >= config.num_hidden_layers:
             raise InvalidRequestError("lora_path", f"{key}: the base model has {config.num_hidden_layers} layers")
         parts.setdefault((layer, part), {})[which] = tensor
-    rank = 0
     layers: list[dict[str, LoRAPair]] = [{} for _ in range(config.num_hidden_layers)]
     for fused, names in FUSED_PARTS.items():
         for layer in range(config.num_hidden_layers):
             found = [(part, parts[(layer, part)]) for part in names if (layer, part) in parts]
             if found:
                 layers[layer][fused] = _fuse(config, settings, layer, names, found, max_rank, dtype)
-                rank = max(rank, max(r1 - r0 for r0, r1, _, _ in layers[layer][fused].parts))
-    if not rank:
+    if not any(layers):
         raise InvalidRequestError("lora_path", f"{path / WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAAdapter(name, path, rank, cache_root(name, raw), layers)
+    return LoRAAdapter(name, path, cache_root(name, raw), layers)
 
 
 def _read_config(path: Path) -> dict:

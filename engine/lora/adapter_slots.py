@@ -35,10 +35,6 @@ class AdapterSlots:
         self.max_loras = max_loras
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter (cache root) -> slot, least recently used first
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.buffers for pair in layer.values() for t in pair)
-
     def slot(self, adapter: LoRAAdapter) -> int:
         """The adapter's slot, copying it in if it holds none (into a free slot, or the least recently used one:
         a step holds at most max_loras adapters, and each one it uses becomes the most recent)."""
