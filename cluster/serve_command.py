@@ -177,6 +177,7 @@ def serve_main(args: argparse.Namespace) -> int:
                 say("stopping now")
     finally:
         say("shutting down ...")
-        serve.shutdown()
-        ray.shutdown()
+        if args.address is not None:  # a cluster someone else runs: Serve leaves it in order
+            serve.shutdown()
+        ray.shutdown()  # a cluster started here goes with its processes (the drain has ended what was in flight)
     return 0

@@ -181,22 +181,28 @@ def smollm2_prompts(smollm2_dir) -> list[list[int]]:
     return chats + [tokenizer.encode(text) for text in RAW]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers `generate`, batch 1, greedy: the reference our engine must match token for token."""
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch: int = 1) -> list[list[int]]:
+    """transformers `generate`, greedy: the reference our engine must match token for token. `batch` > 1 runs
+    prompts of similar length together, left-padded under an attention mask (SmolLM2's 16 parity prompts: 30 s in
+    batches of 8 against 56 s one by one, the same tokens); the tiny random models' near ties stay at batch 1."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     model.eval()
     eos = model.generation_config.eos_token_id
-    results = []
+    results: dict[int, list[int]] = {}
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos,
-            )
-            results.append(out[0, len(ids):].tolist())
-    return results
+        for start in range(0, len(prompts), batch):
+            group = by_length[start:start + batch]
+            width = max(len(prompts[i]) for i in group)
+            ids = torch.tensor([[eos] * (width - len(prompts[i])) + prompts[i] for i in group])
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in group])
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                 eos_token_id=eos, pad_token_id=eos)
+            for i, row in zip(group, out[:, width:].tolist()):
+                results[i] = row[:row.index(eos) + 1] if eos in row else row
+    return [results[i] for i in range(len(prompts))]
 
 
 def run_to_completion(engine, prompts, params, arrivals: dict[int, list[int]] | None = None):

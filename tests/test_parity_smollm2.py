@@ -21,13 +21,13 @@ GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
 
 @pytest.fixture(scope="module")
 def expected(smollm2_dir, smollm2_prompts, greedy_reference):
-    return greedy_reference(smollm2_dir, smollm2_prompts, MAX_NEW)
+    return greedy_reference(smollm2_dir, smollm2_prompts, MAX_NEW, batch=8)
 
 
 @pytest.fixture(scope="module")
 def cut(smollm2_4_layers_dir, smollm2_prompts, greedy_reference):
     """SmolLM2 cut to four layers, and transformers' greedy outputs on it."""
-    return smollm2_4_layers_dir, greedy_reference(smollm2_4_layers_dir, smollm2_prompts, MAX_NEW)
+    return smollm2_4_layers_dir, greedy_reference(smollm2_4_layers_dir, smollm2_prompts, MAX_NEW, batch=8)
 
 
 def make_engine(model_dir, **knobs) -> LLMEngine:
