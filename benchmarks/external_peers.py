@@ -118,12 +118,16 @@ def vllm_env(settings: BenchSettings, cpus: list[int] | None = None,
 
 
 def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Path, settings: BenchSettings,
-                         dtype: str, max_model_len: int, speculative_config: dict | None = None) -> list[str]:
+                         dtype: str, max_model_len: int, speculative_config: dict | None = None,
+                         lora: dict | None = None) -> list[str]:
+    """`lora`: adapters by name, max_loras, max_cpu_loras, max_lora_rank (vLLM's own knobs of those names)."""
     command = [str(python), str(HERE / "peer_drivers" / "vllm_offline.py"), str(workload), str(model_dir), str(out),
                "--dtype", dtype, "--max-num-seqs", str(settings.max_num_seqs),
                "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--max-model-len", str(max_model_len)]
     if speculative_config:
         command += ["--speculative-config", json.dumps(speculative_config)]
+    if lora:
+        command += ["--lora", json.dumps(lora)]
     return command + ([] if settings.enable_prefix_caching else ["--no-prefix-caching"])
 
 
@@ -257,7 +261,7 @@ def run_vllm_offline(spec: SystemSpec, workload: Workload, settings: BenchSettin
     out.unlink(missing_ok=True)
     command = vllm_offline_command(install.executable, workload_path, resolve_model_dir(settings.model), out,
                                    settings, spec.engine.get("dtype", "bfloat16"), _max_model_len(workload),
-                                   spec.engine.get("speculative_config"))
+                                   spec.engine.get("speculative_config"), spec.engine.get("lora"))
     start = time.monotonic()
     with (out_dir / "log.txt").open("w") as log:
         process = subprocess.Popen(command, env={**os.environ, **vllm_env(settings)}, stdout=log, stderr=log,

@@ -66,6 +66,8 @@ class Run:
     streams: list[Stream] = field(default_factory=list)
     burst_at: float = 0.0
     load_end: float = 0.0
+    wall_t0: float = 0.0  # time.time() at t0: scaling events carry wall-clock times
+    cold_starts: list[dict] = field(default_factory=list)  # replicas that joined after the burst (cold_starts())
 
 
 def cluster_config(model_dir: Path, scaling: dict):
@@ -139,15 +141,25 @@ def one_run(base: str, name: str, model_dir: Path, ramp: Ramp) -> Run:
     from kvloom.cluster import app
 
     config = cluster_config(model_dir, RUNS[name])
-    app.deploy(config, "kvloom")
-    run, stop, t0 = Run(name), threading.Event(), time.monotonic()
+    router = app.deploy(config, "kvloom")
+    run, stop, t0 = Run(name, wall_t0=time.time()), threading.Event(), time.monotonic()
     watcher = threading.Thread(target=watch, args=(run, t0, stop), daemon=True)
     watcher.start()
     asyncio.run(load(base, run, ramp, t0))
+    run.cold_starts = cold_starts(run, router.replica_stats.remote().result(), router.scaling_events.remote().result())
     time.sleep(ramp.cooldown_s)
     stop.set()
     watcher.join()
     return run
+
+
+def cold_starts(run: Run, replicas: list[dict], events: list[dict]) -> list[dict]:
+    """Each replica that joined after the burst (still there when the load ends): when the router first routed to
+    it, seconds after the burst, and its start's phases as it reports them (`kvloom status` shows the same):
+    Ray starting its process and the imports, then the engine's own phases."""
+    joined_at = {replica: event["time"] - run.wall_t0 - run.burst_at for event in events for replica in event["joined"]}
+    return [{"replica": r["replica_id"], "joined_after_burst_s": joined_at[r["replica_id"]], "startup": r["startup"]}
+            for r in replicas if joined_at.get(r["replica_id"], -1.0) > 0]
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -173,7 +185,7 @@ def summarize(run: Run) -> dict:
             "scale_up_decided_after_s": None if grew is None else grew - run.burst_at,
             "new_replica_serving_after_s": None if serving is None else serving - run.burst_at,
             "idle_replicas_gone_after_s": None if shrunk is None else shrunk - run.load_end,
-            "phases": phases, "burst_at_s": run.burst_at, "load_end_s": run.load_end}
+            "phases": phases, "burst_at_s": run.burst_at, "load_end_s": run.load_end, "cold_starts": run.cold_starts}
 
 
 def plot(runs: list[Run], path: Path) -> None:
@@ -249,6 +261,19 @@ def write_report(summaries: dict[str, dict], runs: list[Run], ramp: Ramp, out_di
                      f"{seconds(plateau['ttft_p50_s'])} / {seconds(plateau['ttft_p99_s'])} | "
                      f"{seconds(s['scale_up_decided_after_s'])} / {seconds(s['new_replica_serving_after_s'])} | "
                      f"{seconds(s['idle_replicas_gone_after_s'])} |")
+    starts = summaries["autoscaling"]["cold_starts"]
+    if starts:
+        phases = list(starts[0]["startup"])
+        lines += ["", "### Cold starts (autoscaling run)", "",
+                  f"Scale-up decided {seconds(summaries['autoscaling']['scale_up_decided_after_s'])} s after the "
+                  "burst (Serve's replica count sampled every second). Per replica that joined: when the router "
+                  "first routed to it, and its start as it reports it (`process start`: Ray starting the actor's "
+                  "process, Serve's wrapper and the imports; then the engine's phases). On two cores the new "
+                  "replica starts beside replicas already decoding at full load.", "",
+                  "| replica | joined after burst (s) | " + " | ".join(f"{p} (s)" for p in phases) + " |",
+                  "|---|---:|" + "---:|" * len(phases)]
+        lines += [f"| {c['replica']} | {c['joined_after_burst_s']:.2f} | "
+                  + " | ".join(seconds(c["startup"].get(p)) for p in phases) + " |" for c in starts]
     lines += ["", "![replicas and TTFT over time](scaling.png)"]
     path = out_dir / "scaling.md"
     path.write_text("\n".join(lines) + "\n")

@@ -94,6 +94,13 @@ def test_vllm_takes_the_same_speculative_config_as_json():
                                                                     SETTINGS, "float32", 8)
 
 
+def test_vllm_takes_the_lora_benchmarks_adapters_and_limits_as_json():
+    lora = {"adapters": {"r8-0": "/a/r8-0"}, "max_loras": 8, "max_cpu_loras": 8, "max_lora_rank": 64}
+    command = peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8, None, lora)
+    assert json.loads(flag(command, "--lora")) == lora
+    assert "--lora" not in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8)
+
+
 def test_vllms_own_token_times_give_each_request_its_ttft_and_tpot():
     doc = {"wall_s": 2.5, "outputs": {"w1-0": [3, 4, 5, 6], "w1-1": [1, 2]},
            "times": {"w1-0": [0.5, 0.8], "w1-1": [1.0, 2.5]}}

@@ -4,7 +4,8 @@ Standalone on purpose (it imports vLLM, never kvloom: the two pin different torc
 Reads the workload's JSONL (token-id prompts), generates greedily with EOS ignored, and writes one JSON
 document: wall time of `generate`, every request's generated token ids and, from vLLM's own per-request
 stats, when its first and last tokens came (engine-core monotonic clock, the same as this process's), and
-vLLM's speculative-decoding counters when `--speculative-config` (vLLM's JSON) is given.
+vLLM's speculative-decoding counters when `--speculative-config` (vLLM's JSON) is given. With `--lora` (JSON:
+adapters by name, max_loras, max_cpu_loras, max_lora_rank) each request runs under the adapter its `lora` names.
     python vllm_offline.py WORKLOAD.jsonl MODEL_DIR OUT.json --dtype bfloat16 --max-num-seqs 64 ...
 """
 
@@ -38,23 +39,31 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--speculative-config", type=json.loads, default=None)
+    parser.add_argument("--lora", type=json.loads, default=None)
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     with open(args.workload) as f:
         requests = [json.loads(line) for line in f if line.strip()]
+    lora = args.lora or {}
+    lora_knobs = {"enable_lora": True, "max_loras": lora["max_loras"], "max_cpu_loras": lora["max_cpu_loras"],
+                  "max_lora_rank": lora["max_lora_rank"]} if lora else {}
+    ids = {name: i + 1 for i, name in enumerate(sorted(lora.get("adapters", {})))}
+    adapters = [LoRARequest(r["lora"], ids[r["lora"]], lora["adapters"][r["lora"]]) if r.get("lora") else None
+                for r in requests]
     load_start = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
               enable_prefix_caching=not args.no_prefix_caching, seed=0,
-              speculative_config=args.speculative_config, disable_log_stats=False)
+              speculative_config=args.speculative_config, disable_log_stats=False, **lora_knobs)
     load_s = time.perf_counter() - load_start
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     start = time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters if lora else None)
     wall = time.monotonic() - start
     result = {"load_s": load_s, "wall_s": wall,
               "outputs": {r["request_id"]: list(o.outputs[0].token_ids) for r, o in zip(requests, outputs)},
