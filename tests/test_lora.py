@@ -146,6 +146,41 @@ def test_the_same_prompt_under_two_adapters_shares_no_kv_block(tiny_model_dir, a
     assert cached_tokens("qv-r4") == 36  # its own blocks are found again (all but the last token's block)
 
 
+def test_a_requests_adapter_goes_with_its_kv_to_a_decode_engine_and_with_its_tokens_to_a_continuing_one(
+        tiny_model_dir, adapters, prompts, expected):
+    """Disaggregation and mid-stream failover build the request on the other engine from the router's message,
+    which names the adapter: the decode engine computes on under it from the prefill's KV, and an engine taking
+    over a cut stream recomputes the prompt and the streamed tokens under it (not under the base model)."""
+    from kvloom.engine.kv_handoff import export_kv, import_kv
+
+    def engine() -> LLMEngine:
+        return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, lora={"adapters": adapters})
+
+    def finish(engine: LLMEngine) -> list[int]:
+        done = []
+        while engine.has_unfinished():
+            done += [o for o in engine.step() if o.finished]
+        return done[0].outputs[0].token_ids
+
+    prefill, decode, successor = engine(), engine(), engine()
+    for name in ("all-r8", "mlp-r16"):
+        prompt, want = prompts[2], expected[name][2]
+        request = prefill.make_request(f"{name}-p", prompt, GREEDY.model_copy(update={"max_tokens": 1}), lora=name)
+        request.park_kv = True
+        prefill.add_prepared(request)
+        first = finish(prefill)[0]
+        _, payload = export_kv(prefill, f"{name}-p")
+        assert import_kv(decode, decode.make_request(f"{name}-d", prompt, GREEDY, lora=name), first, payload)
+        prefill.release_parked(f"{name}-p")
+        assert [first, *finish(decode)[1:]] == want
+
+        streamed = want[:5]
+        successor.add_continued(successor.make_request(f"{name}-c", prompt, GREEDY, lora=name), streamed,
+                                len(successor.tokenizer.decode(streamed)))
+        assert finish(successor) == want
+    assert all(e.stats().num_free_blocks == e.num_blocks for e in (prefill, decode, successor))
+
+
 def test_adapter_slots_bound_the_running_batch_and_evicted_adapters_come_back_without_losing_a_request(
         tiny_model_dir, adapters, prompts, expected):
     """max_loras 1: never two adapters in one step, yet no request waits forever; max_cpu_loras 1: every switch
