@@ -23,8 +23,8 @@ async def _one(session: aiohttp.ClientSession, base: str, model: str, request: W
                start: float) -> RequestRecord:
     await asyncio.sleep(max(0.0, start + request.arrival_s - time.monotonic()))
     arrival = time.monotonic()
-    body = {"model": request.lora or model, "prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {"model": request.lora or model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
     times: list[float] = []
     async with session.post(f"{base}/v1/completions", json=body) as response:
         response.raise_for_status()

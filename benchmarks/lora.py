@@ -1,11 +1,12 @@
 """Multi-LoRA on W1: the base model alone against 1, 8 and 32 random adapters (ranks 8, 16 and 64 in turn, every
 projection patched) spread over the requests uniformly and Zipf-skewed, and 100 registered adapters with max_loras 8
 under the Zipf mix; and what loading an adapter cold costs. Each mix runs in a fresh process, one after another in
-one run, so the ratios to the base come from one run on one host. With `--peers vllm` vLLM's CPU build (its offline
-`LLM` with `enable_lora`, set up by benchmarks/peer_setup/vllm.sh, at the settings `external_peers.vllm_env` gives)
-replays the same requests under the same adapters and knobs right after kvloom, and its greedy outputs are compared.
+one run, so the ratios to the base come from one run on one host. `--peers` adds vLLM's CPU build (set up by
+benchmarks/peer_setup/vllm.sh, at the settings `external_peers.vllm_env` gives) on the same requests, adapters and
+knobs right after kvloom: `vllm` its offline `LLM` with `enable_lora` (greedy outputs compared with kvloom's),
+`vllm-serve` and `kvloom-serve` over HTTP, each request naming its adapter as `model`.
 
-    python -m kvloom.benchmarks.lora [--requests 64] [--model smollm2] [--mixes NAME,...] [--peers vllm]
+    python -m kvloom.benchmarks.lora [--requests 64] [--model smollm2] [--mixes NAME,...] [--peers vllm,...]
 
 writes benchmarks/results/lora.{md,json} (adapters and per-system records under benchmarks/out/lora).
 """
@@ -170,8 +171,8 @@ def write_report(doc: dict, out: Path) -> Path:
                      f"{latency_cell(m['tpot'], 'p50', ms=True)} / {latency_cell(m['tpot'], 'p99', ms=True)} | "
                      f"{latency_cell(m['ttft'], 'p50', ms=False)} | "
                      f"{result['status']} |")
-    compared = [mix for mix in doc["runs"] if versus(doc, mix, None, "vllm") or versus(doc, mix, "kvloom-serve",
-                                                                                           "vllm-serve")]
+    compared = {mix: pairs for mix in doc["runs"]  # (offline, over HTTP) where vLLM ran either way
+                if any(pairs := (versus(doc, mix, None, "vllm"), versus(doc, mix, "kvloom-serve", "vllm-serve")))}
     if compared:
         lines += ["", "## Against vLLM's CPU build", "",
                   f"vLLM {doc.get('vllm_settings', '')}, the same requests, adapters, max_loras, max_cpu_loras and "
@@ -187,10 +188,10 @@ def write_report(doc: dict, out: Path) -> Path:
         def cells(pair: tuple[float, float] | None) -> str:
             return f"{pair[0]:.1f} / {pair[1]:.1f} | {pair[0] / pair[1]:.2f}x" if pair else "– | –"
 
-        for mix in compared:
+        for mix, (offline, served) in compared.items():
             same = doc["runs"][mix]["equality"].get(peer_name("vllm", mix), {})
-            lines.append(f"| {mix} | {cells(versus(doc, mix, None, 'vllm'))} | {same.get('equal', '–')} of "
-                         f"{same.get('compared', '–')} | {cells(versus(doc, mix, 'kvloom-serve', 'vllm-serve'))} |")
+            lines.append(f"| {mix} | {cells(offline)} | {same.get('equal', '–')} of {same.get('compared', '–')} | "
+                         f"{cells(served)} |")
     lines += ["", "## Loading an adapter cold", "",
               "From the adapter's name to its first token of a 4-token prompt: cold reads and checks the PEFT files "
               "(configured adapters are checked at start but read when a request first needs one), warm finds it in "
@@ -235,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 "max_cpu_loras": max(mix.adapters, mix.max_loras)}
         runs[mix.name] = run_systems(assign(workload, mix), systems(mix.name, lora), settings,
                                      RUNS_DIR / mix.name.replace(" ", "-").replace(",", ""), mix.name)
-    doc = {"command": command, "environment": environment(settings), "dtype": dtype, "num_requests": len(workload.requests),
+    doc = {"command": command, "environment": environment(settings), "dtype": dtype,
+           "num_requests": len(workload.requests),
            "mixes": [asdict(m) for m in mixes], "runs": runs,
            "cold": in_fresh_process(cold_load, args.model, {n: adapters[n] for n in cold}, dtype),
            "wall_s": time.monotonic() - started,

@@ -96,9 +96,11 @@ def test_vllm_takes_the_same_speculative_config_as_json():
 
 def test_vllm_takes_the_lora_benchmarks_adapters_and_limits_as_json():
     lora = {"adapters": {"r8-0": "/a/r8-0"}, "max_loras": 8, "max_cpu_loras": 8, "max_lora_rank": 64}
-    command = peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8, None, lora)
+    command = peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8,
+                                         lora=lora)
     assert json.loads(flag(command, "--lora")) == lora
-    assert "--lora" not in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS, "float32", 8)
+    assert "--lora" not in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), SETTINGS,
+                                                      "float32", 8)
     served = peers.vllm_server_command(Path("p"), Path("/m"), 8123, SETTINGS, "float32", 8, lora)
     assert "--enable-lora" in served and flag(served, "--lora-modules") == "r8-0=/a/r8-0"
     assert (flag(served, "--max-loras"), flag(served, "--max-cpu-loras"), flag(served, "--max-lora-rank")) == \

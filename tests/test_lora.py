@@ -165,6 +165,7 @@ def test_a_requests_adapter_goes_with_its_kv_to_a_decode_engine_and_with_its_tok
     prefill, decode, successor = engine(), engine(), engine()
     for name in ("all-r8", "mlp-r16"):
         prompt, want = prompts[2], expected[name][2]
+        assert want != expected[None][2]  # under the base model this prompt goes another way
         request = prefill.make_request(f"{name}-p", prompt, GREEDY.model_copy(update={"max_tokens": 1}), lora=name)
         request.park_kv = True
         prefill.add_prepared(request)
