@@ -166,6 +166,7 @@ class Router:
     async def report_replica_stats(self, stats: ReplicaStats) -> RouterView:
         """Take a replica's stats; answer how many live replicas (any role) share its node, and the backlog."""
         (self.decode_table if stats.role == "decode" else self.table).report(stats)
+        self.cold_start.replica_reported()
         if self.membership is not None:
             self.membership.check()
         replicas, ttft_p90_s = self.table.live(), self.dispatcher.ttft_p90_s()

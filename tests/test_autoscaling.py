@@ -81,7 +81,8 @@ def test_a_backlog_brings_replicas_up_to_the_maximum_that_serve_and_idleness_tak
     async def load_then_quiet() -> list[dict]:
         body = {"model": "tiny", "prompt": "w5 w6 w7", "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
         async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as client:
-            requests = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(16)]
+            # a backlog that outlasts the third replica's start however fast the host (the clients walk away then)
+            requests = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(64)]
 
             async def three_serving() -> bool:
                 stats = await router.replica_stats.remote()
@@ -109,11 +110,12 @@ def test_a_replica_removed_while_20_streams_run_on_it_loses_none_of_them(ray_ser
     """Replica A is filled with 24 long requests (all its slots); 20 greedy streams then wait in the router, so
     Serve adds replica B, which takes them. A's clients walk away: the 20 streams fit on one replica and Serve
     removes the newer one, B. Its streams have a 1 s grace period, then move to A and go on from what their
-    clients have. (A 4k context, so that A's requests outlast B's start.)"""
+    clients have. (A 4k context, so that A's requests outlast B's start, and B's outlast Serve's decision: its
+    5 s look-back window and the grace period took 6 s on a host where the 2000 tokens took about 16.)"""
     model_dir = build_tiny_model(tmp_path / "tiny-4k", context=4096)
     router = deploy_app(config(model_dir, max_num_seqs=24, context=4096, min_replicas=1, max_replicas=2,
                                downscale_delay_s=0, graceful_period_s=1))
-    prompt, max_tokens = "w11 w12 w13 w14 w15", 1000
+    prompt, max_tokens = "w11 w12 w13 w14 w15", 2000
 
     async def scale_down_under_load() -> list[dict]:
         async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as client:

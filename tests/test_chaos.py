@@ -52,8 +52,22 @@ def actor_pids(deployment: str) -> list[int]:
     return [a["Pid"] for a in ray_state.actors(actor_state_name="ALIVE").values() if a["Name"].startswith(prefix)]
 
 
+class Streaming:
+    """Set once `streams` streams have each received their first token: a fault then cuts them mid-way, however
+    fast the host decodes."""
+
+    def __init__(self, streams: int) -> None:
+        self.left, self.all = streams, asyncio.Event()
+
+    def first_token(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.all.set()
+
+
 async def completion(client: httpx.AsyncClient, tenant: str, i: int, max_tokens: int = 48,
-                     stream: bool = True, walk_away_after: int | None = None) -> dict:
+                     stream: bool = True, walk_away_after: int | None = None,
+                     streaming: Streaming | None = None) -> dict:
     """One request; returns what its client received: status, text, events, usage, error (if any)."""
     body = {"model": "smollm2", "prompt": f"Chapter {i}. The storm reached the harbour and",
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": stream}
@@ -81,6 +95,8 @@ async def completion(client: httpx.AsyncClient, tenant: str, i: int, max_tokens:
                 got["error"] = event["error"]
                 continue
             got["events"] += 1
+            if got["events"] == 1 and streaming is not None:
+                streaming.first_token()
             got["text"] += "".join(c["text"] for c in event["choices"])
             if event.get("usage"):
                 got["completion_tokens"] = event["usage"]["completion_tokens"]
@@ -114,11 +130,13 @@ def settled(router) -> None:
 
 
 async def load(base: str, fault, tenants=("alice", "bob"), per_tenant: int = 8, **request) -> list[dict]:
-    """Requests from each tenant at once, `fault()` injected 3 s in; every request must end by DEADLINE_S."""
+    """Requests from each tenant at once (every fourth not streamed), `fault()` injected once every stream has its
+    first token (on both replicas: each takes 8); every request must end by DEADLINE_S."""
+    streaming = Streaming(sum(i % 4 != 3 for _ in tenants for i in range(per_tenant)))
     async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
-        tasks = [asyncio.create_task(completion(client, tenant, i, stream=i % 4 != 3, **request))
+        tasks = [asyncio.create_task(completion(client, tenant, i, stream=i % 4 != 3, streaming=streaming, **request))
                  for tenant in tenants for i in range(per_tenant)]
-        await asyncio.sleep(3)
+        await asyncio.wait_for(streaming.all.wait(), DEADLINE_S)
         await asyncio.to_thread(fault)
         results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=DEADLINE_S)
     return [dict(r, tenant=t) for r, t in zip(results, [t for t in tenants for _ in range(per_tenant)])]
@@ -225,17 +243,18 @@ def test_a_router_killed_under_load_ends_every_request_and_comes_back(base, clus
     """The router holds the HTTP streams: SIGKILL ends them (an error or a cut connection, never a hang);
     Serve restarts it, it finds the replicas again and serves."""
     router_pid = actor_pids("Router")[0]
+    streaming = Streaming(8)
 
     async def run():
         async with httpx.AsyncClient(base_url=base, timeout=DEADLINE_S) as client:
             async def guarded(i):
                 try:
-                    return await completion(client, "alice", i)
+                    return await completion(client, "alice", i, streaming=streaming)
                 except httpx.HTTPError as exc:  # the connection was cut
                     return {"status": None, "error": repr(exc)}
 
             tasks = [asyncio.create_task(guarded(i)) for i in range(8)]
-            await asyncio.sleep(3)
+            await asyncio.wait_for(streaming.all.wait(), DEADLINE_S)
             os.kill(router_pid, signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=DEADLINE_S)
 
