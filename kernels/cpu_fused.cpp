@@ -19,19 +19,6 @@
 
 constexpr int64_t GRAIN = 16;  // rows per task
 
-// float32 math on float32 or bfloat16 storage; bfloat16 is rounded to nearest even, as torch rounds
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
-template <typename T>
-inline T narrow(float x);
-template <>
-inline float narrow<float>(float x) { return x; }
-template <>  // round to nearest even in plain integer ops the compiler vectorizes (c10's has a NaN branch)
-inline at::BFloat16 narrow<at::BFloat16>(float x) {
-  const uint32_t bits = __builtin_bit_cast(uint32_t, x);
-  return at::BFloat16(static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16), at::BFloat16::from_bits());
-}
-
 // Rotary embedding in place on the query and key heads of a fused QKV projection [T, (H + 2 KVH) * D]
 // (the first H + KVH heads), with HF's rotate-half convention: x * cos + rotate_half(x) * sin,
 // cos/sin [T, D] float32 as the model's rotary module returns them; qkv float32 or bfloat16.

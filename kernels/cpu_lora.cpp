@@ -16,12 +16,8 @@
 
 namespace {
 
-constexpr int64_t ROWS = 4;  // rows sharing each load of A and B (a work item's rows)
-
-inline float widen(float x) { return x; }
-inline float widen(at::BFloat16 x) { return static_cast<float>(x); }
-template <typename T>
-inline T narrow(float x) { return static_cast<T>(x); }
+// rows sharing each load of A and B (a work item's rows): eight where 32 vector registers hold their sums
+constexpr int64_t ROWS = W == 16 ? 8 : 4;
 
 inline float lanes_sum(vfloat v) {
   float sum = 0.0f;
@@ -29,7 +25,20 @@ inline float lanes_sum(vfloat v) {
   return sum;
 }
 
-constexpr int64_t UNROLL = 4;  // rows of A or B read together: each load of x or of a partial sum serves four
+// Software prefetch of the rows a later group of UNROLL rows reads, PREFETCH_GROUPS groups ahead: an adapter's
+// rows are short (an A row is `in` elements), so a group's UNROLL row streams each end before the hardware
+// prefetcher has ramped up on them, and the loads stall on memory
+constexpr int64_t PREFETCH_GROUPS = 2;
+template <typename T>
+inline void prefetch_ahead(const T* p, int64_t distance, const T* end) {
+  if (p + distance < end) __builtin_prefetch(p + distance, 0, 3);
+}
+
+// rows of A read together (each load of x serves UNROLL_A of them) and of B (each partial sum's load, UNROLL_B):
+// with eight rows of x, two rows of A keep the shrink's sums in registers
+template <int M>
+constexpr int UNROLL_A = M > 4 ? 2 : 4;
+constexpr int UNROLL_B = 4;
 
 // One work item: M rows of one segment, with its adapter's A [R, in] (PEFT's lora_A rows, each part's stacked) and
 // B [R, out] and parts (r0, r1, c0, c1): B's rows r0..r1 are nonzero over columns c0..c1 only. Both are read row by
@@ -39,7 +48,13 @@ template <typename T, int M>
 void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b, int64_t in,
                   int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts, std::vector<float>& shrunk,
                   std::vector<float>& sums) {
-  shrunk.resize(M * rank);
+  constexpr int UNROLL = UNROLL_A<M>;
+  const T* a_end = a + rank * in;
+  const T* b_end = b + rank * out;
+  shrunk.resize(M * rank + M * in);
+  float* xs = shrunk.data() + M * rank;  // x's rows widened once, not once per row of A
+  for (int i = 0; i < M; ++i)
+    for (int64_t k = 0; k < in; ++k) xs[i * in + k] = widen(x[i * x_stride + k]);
   for (int64_t r = 0; r < rank; r += UNROLL) {  // shrunk[i][r + u] = x[i] . A[r + u]
     const T* rows[UNROLL];
     for (int u = 0; u < UNROLL; ++u) rows[u] = a + std::min(r + u, rank - 1) * in;
@@ -47,23 +62,27 @@ void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T*
     int64_t k = 0;
     for (; k + W <= in; k += W) {
       vfloat av[UNROLL];
-      for (int u = 0; u < UNROLL; ++u) av[u] = load(rows[u] + k);
+      for (int u = 0; u < UNROLL; ++u) {
+        av[u] = load(rows[u] + k);
+        prefetch_ahead(rows[u] + k, PREFETCH_GROUPS * UNROLL * in, a_end);
+      }
       for (int i = 0; i < M; ++i) {
-        const vfloat xv = load(x + i * x_stride + k);
+        const vfloat xv = load(xs + i * in + k);
         for (int u = 0; u < UNROLL; ++u) acc[u][i] += xv * av[u];
       }
     }
     for (int u = 0; u < UNROLL && r + u < rank; ++u)
       for (int i = 0; i < M; ++i) {
         float sum = lanes_sum(acc[u][i]);
-        for (int64_t kk = k; kk < in; ++kk) sum += widen(x[i * x_stride + kk]) * widen(rows[u][kk]);
+        for (int64_t kk = k; kk < in; ++kk) sum += xs[i * in + kk] * widen(rows[u][kk]);
         shrunk[i * rank + r + u] = sum;
       }
   }
   for (int64_t p = 0; p < num_parts; ++p) {  // sums[i] = sum over r of shrunk[i][r] * B[r][c0:c1]
     const int64_t r0 = parts[4 * p], r1 = parts[4 * p + 1], c0 = parts[4 * p + 2], width = parts[4 * p + 3] - c0;
     sums.assign(M * width, 0.0f);
-    for (int64_t r = r0; r < r1; r += UNROLL) {
+    for (int64_t r = r0; r < r1; r += UNROLL_B) {
+      constexpr int UNROLL = UNROLL_B;
       const T* rows[UNROLL];
       float scale[UNROLL][M];
       for (int u = 0; u < UNROLL; ++u) {
@@ -73,7 +92,10 @@ void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T*
       int64_t c = 0;
       for (; c + W <= width; c += W) {
         vfloat bv[UNROLL];
-        for (int u = 0; u < UNROLL; ++u) bv[u] = load(rows[u] + c);
+        for (int u = 0; u < UNROLL; ++u) {
+          bv[u] = load(rows[u] + c);
+          prefetch_ahead(rows[u] + c, PREFETCH_GROUPS * UNROLL * out, b_end);
+        }
         for (int i = 0; i < M; ++i) {
           float* dst = sums.data() + i * width + c;
           vfloat sum = load(dst);
@@ -97,12 +119,16 @@ template <typename T>
 void segment_rows(int64_t m, const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b,
                   int64_t in, int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts,
                   std::vector<float>& shrunk, std::vector<float>& sums) {
+#define KVLOOM_ROWS(M) \
+  case M: return segment_rows<T, M>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
   switch (m) {
-    case 1: return segment_rows<T, 1>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
-    case 2: return segment_rows<T, 2>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
-    case 3: return segment_rows<T, 3>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
-    default: return segment_rows<T, 4>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+    KVLOOM_ROWS(1) KVLOOM_ROWS(2) KVLOOM_ROWS(3) KVLOOM_ROWS(4)
   }
+  if constexpr (ROWS == 8) {
+    switch (m) { KVLOOM_ROWS(5) KVLOOM_ROWS(6) KVLOOM_ROWS(7) KVLOOM_ROWS(8) }
+  }
+#undef KVLOOM_ROWS
+  TORCH_CHECK(false, "lora_add_: a work item of ", m, " rows");
 }
 
 // y [T, out] += each segment's delta; x [T, in]; a[s] [R_s, in], b[s] [R_s, out]; rows: (first, end) per segment,

@@ -284,16 +284,16 @@ def test_a_step_segments_rows_by_adapter_and_keeps_the_lm_heads_rows():
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_the_cpu_kernel_adds_each_segments_delta_from_bs_nonzero_blocks_only(dtype, tolerance):
-    """Odd widths (SIMD tails), ranks under the kernel's unroll, segments of 1 to 6 rows; B's zero blocks hold NaN,
-    so reading them would show."""
+    """Odd widths (SIMD tails), ranks under the kernel's unroll, segments of 1 to 11 rows (a work item takes up to
+    8); B's zero blocks hold NaN, so reading them would show."""
     from kvloom.kernels.cpu_lora import lora_add_, lora_extension
 
     if lora_extension() is None:
         pytest.skip("the C++ kernel cannot be built here")
     generator = torch.Generator().manual_seed(0)
-    x, y = torch.randn(12, 37, generator=generator).to(dtype), torch.randn(12, 50, generator=generator).to(dtype)
+    x, y = torch.randn(24, 37, generator=generator).to(dtype), torch.randn(24, 50, generator=generator).to(dtype)
     segments = [((0, 1), 3, [(0, 3, 0, 29)]), ((2, 8), 5, [(0, 2, 0, 21), (2, 5, 21, 50)]),
-                ((9, 12), 1, [(0, 1, 7, 9)])]
+                ((9, 12), 1, [(0, 1, 7, 9)]), ((12, 23), 7, [(0, 7, 3, 40)])]
     expected, shrinks, expands, rows, parts = y.float(), [], [], [], []
     for (lo, hi), rank, layout in segments:
         a = torch.randn(rank, 37, generator=generator).to(dtype)
