@@ -1,8 +1,9 @@
-// LoRA deltas of a step's small adapter segments on CPU (punica's SGMV): y[rows] += (x[rows] @ A) @ B for each
-// segment's own adapter, in one call per linear. A decode step's segments are a few rows each, where a GEMM library
-// call costs more in set-up than the arithmetic and its weights are read once anyway: this streams each adapter's
-// A and B once per block of up to ROWS rows, and reads of B skip its zero blocks (a fused linear's B holds each
-// part's B over that part's columns only: the `parts` table). Measurements: docs/performance.md, "multi-LoRA".
+// LoRA deltas of a step's adapter segments on CPU (punica's SGMV): y[rows] += (x[rows] @ A) @ B for each segment's
+// own adapter, in one call per linear. A decode step's segments are a few rows each, where a GEMM library call
+// costs more in set-up than the arithmetic and its weights are read once anyway: this streams each adapter's A and
+// B once per block of up to ROWS rows, and reads of B skip its zero blocks (a fused linear's B holds each part's B
+// over that part's columns only: the `parts` table). A prompt chunk's segment is many such blocks, its weights
+// then in cache. Measurements: docs/performance.md, "multi-LoRA".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>

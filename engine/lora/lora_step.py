@@ -2,10 +2,11 @@
 SGMV).
 
 The runner orders a step's requests by adapter, so each adapter's rows are one contiguous segment, and a fused
-linear's delta is `y[rows] += (x[rows] @ a.T) @ b` per adapter in the step, over views, with no gather. Segments of
-a few rows (decode) go to one C++ call per linear (kernels/cpu_lora.py), which streams each adapter's weights once
-and skips the zero blocks of b; longer ones (prompt chunks) to torch's GEMMs, where the arithmetic dominates. Base
-rows belong to no segment and cost nothing; a step without adapters holds none. CUDA: adapter_slots.py.
+linear's delta is `y[rows] += (x[rows] @ a.T) @ b` per adapter in the step, over views, with no gather. On CPU every
+segment, decode rows and prompt chunks alike, goes to one C++ call per linear (kernels/cpu_lora.py), which reads each
+adapter's weights once per few rows and skips the zero blocks of b (torch's GEMMs took twice the base model's time
+on bfloat16 prompt chunks: docs/performance.md); other dtypes and devices use torch's GEMMs. Base rows belong to no
+segment and cost nothing; a step without adapters holds none. CUDA: adapter_slots.py.
 """
 
 from dataclasses import dataclass
@@ -14,8 +15,6 @@ import torch
 
 from kvloom.engine.lora.adapter import LoRAAdapter
 from kvloom.kernels.cpu_lora import lora_add_, lora_extension
-
-NATIVE_MAX_ROWS = 16  # longer segments run torch's GEMMs (see the module docstring)
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,7 @@ class LoRAStep:
             pair = segment.adapter.layers[layer].get(linear)
             if lo >= hi or pair is None:
                 continue
-            if native and hi - lo <= NATIVE_MAX_ROWS:
+            if native:
                 shrinks.append(pair.a)
                 expands.append(pair.b)
                 rows += (lo, hi)
