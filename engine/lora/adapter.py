@@ -8,6 +8,7 @@ scaling folded in, over that part's output columns and zero elsewhere (`parts` s
 and the kernels read those only). A fused linear then costs one shrink per adapter, and one expand per part.
 """
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -46,9 +47,10 @@ class LoRAPair:
     b: torch.Tensor  # [R, out]: the expand, scaling folded in
     parts: tuple[tuple[int, int, int, int], ...]  # per targeted part: its rows r0..r1 of b, nonzero over c0..c1
 
-    @property
+    @functools.cached_property
     def part_table(self) -> list[int]:
-        """`parts` as the C++ op reads them (kernels/cpu_lora.py): the count, then each part's four bounds."""
+        """`parts` as the C++ op reads them (kernels/cpu_lora.py): the count, then each part's four bounds (built
+        once: every step's every patched linear reads it)."""
         return [len(self.parts), *(bound for part in self.parts for bound in part)]
 
 
