@@ -166,9 +166,9 @@ class Router:
     async def report_replica_stats(self, stats: ReplicaStats) -> RouterView:
         """Take a replica's stats; answer how many live replicas (any role) share its node, and the backlog."""
         (self.decode_table if stats.role == "decode" else self.table).report(stats)
-        self.cold_start.replica_reported()
         if self.membership is not None:
             self.membership.check()
+        self.cold_start.replica_reported()  # once Serve's set says it may take requests, before the queue is pumped
         replicas, ttft_p90_s = self.table.live(), self.dispatcher.ttft_p90_s()
         self.scaling_log.observe(replicas, len(self.admission), ttft_p90_s)
         self.admission.pump()
