@@ -43,6 +43,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "host(feature): needs one of HOST_FEATURES; skipped where the host lacks it")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Modules on the session's Ray cluster run last, each whole and in file order: the cluster starts with the
+    first of them, so the rest of the suite (and the tests that start clusters of their own) runs without its
+    idle processes taking a share of the cores."""
+    on_cluster = {item.module for item in items if "ray_serve" in item.fixturenames}
+    items.sort(key=lambda item: item.module in on_cluster)  # stable: file order within each group
+
+
 def pytest_report_header(config):
     from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
 

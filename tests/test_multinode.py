@@ -55,7 +55,9 @@ SCRIPT = textwrap.dedent(
     events = router.scaling_events.remote().result()
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
     print("RESULT " + json.dumps({"replicas": stats, "nodes": nodes, "events": events}))
-    serve.shutdown(); ray.shutdown(); cluster.shutdown()
+    # no serve.shutdown(): it would wait out the replicas' graceful period (the backlog still runs on them);
+    # the cluster's processes all end with it
+    ray.shutdown(); cluster.shutdown()
     """
 )
 

@@ -74,7 +74,10 @@ async def replay_replica(handle, workload: Workload, timeout_s: float = 900) -> 
             if len(finished) == len(workload.requests):
                 return
 
-    await asyncio.wait_for(asyncio.gather(read(), *map(submit, workload.requests)), timeout_s)
+    try:
+        await asyncio.wait_for(asyncio.gather(read(), *map(submit, workload.requests)), timeout_s)
+    finally:
+        outputs.cancel()  # ends the replica's channel: an open one holds its stop for the graceful period
     records = [RequestRecord(r.request_id, len(r.prompt), tokens[r.request_id], arrived[r.request_id],
                              times[r.request_id][0] if times[r.request_id] else finished[r.request_id],
                              finished[r.request_id], token_times=times[r.request_id]) for r in workload.requests]
