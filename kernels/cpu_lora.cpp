@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_deal.h"
@@ -116,12 +117,91 @@ void segment_rows(const T* x, int64_t x_stride, T* y, int64_t y_stride, const T*
   }
 }
 
-template <typename T>
-void segment_rows(int64_t m, const T* x, int64_t x_stride, T* y, int64_t y_stride, const T* a, const T* b,
-                  int64_t in, int64_t rank, int64_t out, const int64_t* parts, int64_t num_parts,
-                  std::vector<float>& shrunk, std::vector<float>& sums) {
+#if defined(__AVX512BF16__)
+// bfloat16 on CPUs with AVX512-BF16: each instruction multiplies 32 bfloat16 pairs into 16 float32 sums, twice
+// what widening to float32 gives, and nothing is widened. The shrink reads x's and A's rows as they are (pairs
+// along `in`); the expand reads B as pack_expand lays it out (per part: its nonzero block only, in blocks of 16
+// columns, each block's rows in pairs, a pair's two values side by side per column), and x @ A rounded to
+// bfloat16 pairs, as torch's bfloat16 LoRA rounds it between its two GEMMs.
+constexpr bool PAIRS = true;
+
+inline __m512 widen16(const at::BFloat16* p, __mmask16 mask) {
+  const __m256i bits = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+inline uint32_t bf16_pair(float lo, float hi) {
+  return static_cast<uint32_t>(at::BFloat16(lo).x) | (static_cast<uint32_t>(at::BFloat16(hi).x) << 16);
+}
+
+template <int M>
+void segment_rows_pairs(const at::BFloat16* x, int64_t x_stride, at::BFloat16* y, int64_t y_stride,
+                        const at::BFloat16* a, const at::BFloat16* b, int64_t in, int64_t rank, const int64_t* parts,
+                        int64_t num_parts, std::vector<float>& shrunk, std::vector<uint32_t>& pairs) {
+  constexpr int UNROLL = UNROLL_A<M>;
+  const at::BFloat16* a_end = a + rank * in;
+  shrunk.resize(M * rank);
+  for (int64_t r = 0; r < rank; r += UNROLL) {  // shrunk[i][r + u] = x[i] . A[r + u]
+    const at::BFloat16* rows[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) rows[u] = a + std::min(r + u, rank - 1) * in;
+    __m512 acc[UNROLL][M];
+    for (int u = 0; u < UNROLL; ++u)
+      for (int i = 0; i < M; ++i) acc[u][i] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k += 32) {
+      const __mmask32 mask = in - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (in - k)) - 1;
+      __m512bh av[UNROLL];
+      for (int u = 0; u < UNROLL; ++u) {
+        av[u] = (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[u] + k);
+        prefetch_ahead(rows[u] + k, PREFETCH_GROUPS * UNROLL * in, a_end);
+      }
+      for (int i = 0; i < M; ++i) {
+        const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + i * x_stride + k);
+        for (int u = 0; u < UNROLL; ++u) acc[u][i] = _mm512_dpbf16_ps(acc[u][i], xv, av[u]);
+      }
+    }
+    for (int u = 0; u < UNROLL && r + u < rank; ++u)
+      for (int i = 0; i < M; ++i) shrunk[i * rank + r + u] = _mm512_reduce_add_ps(acc[u][i]);
+  }
+  for (int64_t p = 0; p < num_parts; ++p) {  // y[i][c0:c1] += sum over r of shrunk[i][r] * B[r][c0:c1]
+    const int64_t r0 = parts[4 * p], r1 = parts[4 * p + 1], c0 = parts[4 * p + 2], width = parts[4 * p + 3] - c0;
+    const int64_t half = (r1 - r0 + 1) / 2, blocks = (width + 15) / 16;
+    pairs.resize(M * half);
+    for (int i = 0; i < M; ++i)
+      for (int64_t j = 0; j < half; ++j) {
+        const int64_t row = r0 + 2 * j;
+        pairs[i * half + j] = bf16_pair(shrunk[i * rank + row], row + 1 < r1 ? shrunk[i * rank + row + 1] : 0.0f);
+      }
+    const at::BFloat16* b_end = b + blocks * half * 32;
+    for (int64_t block = 0; block < blocks; ++block) {
+      const at::BFloat16* bp = b + block * half * 32;
+      __m512 acc[M];
+      for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < half; ++j) {
+        const __m512bh bv = (__m512bh)_mm512_loadu_si512(bp + j * 32);
+        prefetch_ahead(bp + j * 32, PREFETCH_GROUPS * 64, b_end);
+        for (int i = 0; i < M; ++i)
+          acc[i] = _mm512_dpbf16_ps(acc[i], (__m512bh)_mm512_set1_epi32(pairs[i * half + j]), bv);
+      }
+      const int64_t c = c0 + block * 16;
+      const __mmask16 mask = width - block * 16 >= 16 ? ~__mmask16(0) : (__mmask16(1) << (width - block * 16)) - 1;
+      for (int i = 0; i < M; ++i) {
+        at::BFloat16* dst = y + i * y_stride + c;
+        const __m512 sum = _mm512_add_ps(widen16(dst, mask), acc[i]);
+        _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(sum));
+      }
+    }
+    b = b_end;
+  }
+}
+#else
+constexpr bool PAIRS = false;
+#endif
+
+// One work item of m rows (1 to ROWS): the row count as a template argument keeps the rows' sums in registers
+template <typename Item>
+void with_rows(int64_t m, Item item) {
 #define KVLOOM_ROWS(M) \
-  case M: return segment_rows<T, M>(x, x_stride, y, y_stride, a, b, in, rank, out, parts, num_parts, shrunk, sums);
+  case M: return item(std::integral_constant<int, M>());
   switch (m) {
     KVLOOM_ROWS(1) KVLOOM_ROWS(2) KVLOOM_ROWS(3) KVLOOM_ROWS(4)
   }
@@ -155,13 +235,36 @@ void add_deltas(const at::Tensor& y, const at::Tensor& x, const std::vector<at::
     b_data.push_back(b[s].data_ptr<T>());
     ranks.push_back(a[s].size(0));
   }
-  using Scratch = std::pair<std::vector<float>, std::vector<float>>;
+  struct Scratch { std::vector<float> shrunk, sums; std::vector<uint32_t> pairs; };
   deal_items(static_cast<int64_t>(items.size()), [] { return Scratch(); }, [&](int64_t n, Scratch& scratch) {
     const Item& it = items[n];
-    segment_rows<T>(it.hi - it.lo, xp + it.lo * x_stride, x_stride, yp + it.lo * y_stride, y_stride,
-                    a_data[it.segment], b_data[it.segment], in, ranks[it.segment], out, parts.data() + it.parts_at + 1,
-                    parts[it.parts_at], scratch.first, scratch.second);
+    const T* xi = xp + it.lo * x_stride;
+    T* yi = yp + it.lo * y_stride;
+    const int64_t* item_parts = parts.data() + it.parts_at + 1;
+    const int64_t num_parts = parts[it.parts_at], rank = ranks[it.segment];
+    with_rows(it.hi - it.lo, [&](auto rows) {
+      constexpr int M = decltype(rows)::value;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        return segment_rows_pairs<M>(xi, x_stride, yi, y_stride, a_data[it.segment], b_data[it.segment], in, rank,
+                                     item_parts, num_parts, scratch.shrunk, scratch.pairs);
+      } else
+#endif
+      segment_rows<T, M>(xi, x_stride, yi, y_stride, a_data[it.segment], b_data[it.segment], in, rank, out,
+                         item_parts, num_parts, scratch.shrunk, scratch.sums);
+    });
   });
+}
+
+// B's elements as the op reads them: [R, out] as given, or packed (pack_expand) for the bfloat16 pairs path
+int64_t expand_elements(bool packed, int64_t rank, int64_t out, const int64_t* parts) {
+  if (!packed) return rank * out;
+  int64_t elements = 0;
+  for (int64_t p = 0; p < parts[0]; ++p) {
+    const int64_t* part = parts + 1 + 4 * p;
+    elements += (part[1] - part[0] + 1) / 2 * 32 * ((part[3] - part[2] + 15) / 16);
+  }
+  return elements;
 }
 
 void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b, at::IntArrayRef rows,
@@ -169,11 +272,15 @@ void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::T
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0));
   TORCH_CHECK(a.size() == b.size() && rows.size() == 2 * a.size(), "lora_add_: one (a, b, rows) per segment");
   TORCH_CHECK(x.scalar_type() == y.scalar_type(), "lora_add_: x and y differ in dtype");
+  const bool packed = PAIRS && x.scalar_type() == at::kBFloat16;
+  int64_t at_part = 0;
   for (size_t s = 0; s < a.size(); ++s) {
     TORCH_CHECK(a[s].is_contiguous() && b[s].is_contiguous() && a[s].scalar_type() == x.scalar_type() &&
-                b[s].scalar_type() == x.scalar_type() && a[s].size(1) == x.size(1) && b[s].size(1) == y.size(1) &&
-                a[s].size(0) == b[s].size(0), "lora_add_: segment ", s, "'s A and B do not fit x and y");
+                b[s].scalar_type() == x.scalar_type() && a[s].dim() == 2 && a[s].size(1) == x.size(1) &&
+                b[s].numel() == expand_elements(packed, a[s].size(0), y.size(1), parts.data() + at_part),
+                "lora_add_: segment ", s, "'s A and B do not fit x and y");
     TORCH_CHECK(0 <= rows[2 * s] && rows[2 * s] <= rows[2 * s + 1] && rows[2 * s + 1] <= x.size(0));
+    at_part += 1 + 4 * parts[at_part];
   }
   const std::vector<at::Tensor> as(a.begin(), a.end()), bs(b.begin(), b.end());
   const std::vector<int64_t> rs(rows.begin(), rows.end()), ps(parts.begin(), parts.end());
@@ -186,6 +293,9 @@ void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::T
 
 }  // namespace
 
+bool lora_packs_expand(at::ScalarType dtype) { return PAIRS && dtype == at::kBFloat16; }
+
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, int[] rows, int[] parts) -> ()", &lora_add_);
+  m.def("lora_packs_expand(ScalarType dtype) -> bool", &lora_packs_expand);
 }

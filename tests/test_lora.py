@@ -286,7 +286,7 @@ def test_a_step_segments_rows_by_adapter_and_keeps_the_lm_heads_rows():
 def test_the_cpu_kernel_adds_each_segments_delta_from_bs_nonzero_blocks_only(dtype, tolerance):
     """Odd widths (SIMD tails), ranks under the kernel's unroll, segments of 1 to 11 rows (a work item takes up to
     8); B's zero blocks hold NaN, so reading them would show."""
-    from kvloom.kernels.cpu_lora import lora_add_, lora_extension
+    from kvloom.kernels.cpu_lora import lora_add_, lora_extension, pack_expand
 
     if lora_extension() is None:
         pytest.skip("the C++ kernel cannot be built here")
@@ -302,7 +302,7 @@ def test_the_cpu_kernel_adds_each_segments_delta_from_bs_nonzero_blocks_only(dty
             b[r0:r1, c0:c1] = torch.randn(r1 - r0, c1 - c0, generator=generator)
             expected[lo:hi, c0:c1] += (x[lo:hi].float() @ a.float().t())[:, r0:r1] @ b[r0:r1, c0:c1].to(dtype).float()
         shrinks.append(a)
-        expands.append(b.to(dtype))
+        expands.append(pack_expand(b.to(dtype), layout))
         rows += [lo, hi]
         parts += [len(layout), *(bound for part in layout for bound in part)]
     lora_add_(y, x, shrinks, expands, rows, parts)

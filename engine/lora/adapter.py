@@ -53,6 +53,13 @@ class LoRAPair:
         once: every step's every patched linear reads it)."""
         return [len(self.parts), *(bound for part in self.parts for bound in part)]
 
+    @functools.cached_property
+    def expand(self) -> torch.Tensor:
+        """b as the C++ op reads it (packed once, on the first step that needs it: kernels/cpu_lora.py)."""
+        from kvloom.kernels.cpu_lora import pack_expand
+
+        return pack_expand(self.b, self.parts)
+
 
 @dataclass
 class LoRAAdapter:

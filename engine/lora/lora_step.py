@@ -61,7 +61,7 @@ class LoRAStep:
                 continue
             if native:
                 shrinks.append(pair.a)
-                expands.append(pair.b)
+                expands.append(pair.expand)
                 rows += (lo, hi)
                 parts += pair.part_table
             else:
