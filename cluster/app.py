@@ -10,6 +10,8 @@ replicas run the engine's priority scheduler (unless the config sets one) and ac
 router's preemption headroom.
 """
 
+import hashlib
+import json
 import time
 
 from ray import serve
@@ -100,6 +102,11 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)
+    # what the router and engines are deployed with, tenancy aside (reloaded in place): adapters loaded at run time
+    # are kept while it stays the same (router/adapter_ledger.py)
+    deployed = [settings, engine, config.disaggregation.model_dump(), config.resources.model_dump()]
+    digest = hashlib.sha1(json.dumps(deployed, sort_keys=True, default=str).encode())
+    settings["deployment_id"] = digest.hexdigest()[:16]
     if preempts:
         engine.setdefault("scheduling_policy", "priority")
     replica_args = {"router_name": ROUTER_NAME, "torch_threads": resources.torch_threads,

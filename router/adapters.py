@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import ray
+
 from kvloom.engine.config import LoRAConfig
 from kvloom.engine.lora.identity import WEIGHTS_FILE, LoRARequest, adapter_under, adapters_under, cache_root_of
 from kvloom.router.errors import APIError
@@ -26,10 +28,15 @@ class ServedAdapter:
 
 
 class AdapterCatalog:
-    def __init__(self, config: LoRAConfig | None, base_names: tuple[str, ...]) -> None:
+    def __init__(self, config: LoRAConfig | None, base_names: tuple[str, ...], ledger=None) -> None:
+        """`ledger`: the deployment's AdapterLedger (router/adapter_ledger.py), where run-time loads are recorded and
+        a restarted router finds them."""
         self.config = config
         self.base_names = base_names
-        self.paths: dict[str, str] = dict(config.adapters) if config else {}  # from the config, and loaded since
+        self.ledger = ledger
+        recorded = ray.get(ledger.recorded.remote()) if ledger is not None else None
+        # from the config, and loaded since (by this router or the one before it in this deployment)
+        self.paths: dict[str, str] = recorded if recorded is not None else dict(config.adapters) if config else {}
         self._roots: dict[tuple[str, str, int], int] = {}  # (name, path, the weights' mtime) -> root
 
     def served(self) -> dict[str, str]:
@@ -54,12 +61,19 @@ class AdapterCatalog:
                            "adapter_not_allowed")
         return ServedAdapter(name, str(path), self._root(name, str(path)))
 
-    def register(self, name: str, path: str) -> None:
+    async def register(self, name: str, path: str) -> None:
         self.paths[name] = path
+        await self._record()
 
-    def unregister(self, name: str) -> None:
+    async def unregister(self, name: str) -> None:
         if self.paths.pop(name, None) is None:
             raise APIError(404, f"no LoRA adapter named '{name}' was loaded", "lora_name", "adapter_not_found")
+        await self._record()
+
+    async def _record(self) -> None:
+        """Recorded before the client hears of it: a router that crashes after answering loses nothing."""
+        if self.ledger is not None:
+            await self.ledger.record.remote(self.paths)
 
     def _root(self, name: str, path: str) -> int:
         """Hashing the weights file each request would cost milliseconds: kept while the file is unchanged."""

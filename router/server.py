@@ -30,6 +30,7 @@ from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
+from kvloom.router.adapter_ledger import open_ledger
 from kvloom.router.adapters import AdapterCatalog
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
@@ -74,6 +75,7 @@ class RouterSettings(BaseModel):
     scales_from_zero: bool = False  # no replica running is a state the deployment rests in, not "not ready"
     scale_for_priority: int | None = None  # the worst priority class whose queued requests are scaling backlog
     lora: dict | None = None  # the engines' LoRAConfig: the adapters requests may name
+    deployment_id: str | None = None  # one per deployment of the app; a router Serve restarts keeps it
 
 
 class TenancySettings(PolicyConfig):
@@ -122,8 +124,10 @@ class Router:
         bind_http_with_reusable_address()  # Serve binds this replica's direct-ingress port once __init__ returns
         self.settings = RouterSettings(**settings)
         self.tokenizer = load_fast_tokenizer(resolve_model_dir(self.settings.model))
-        self.adapters = AdapterCatalog(LoRAConfig(**self.settings.lora) if self.settings.lora else None,
-                                       (self.settings.served_model_name, self.settings.model))
+        lora = LoRAConfig(**self.settings.lora) if self.settings.lora else None
+        ledger = (open_ledger(serve.get_replica_context().app_name, self.settings.deployment_id)
+                  if lora is not None and self.settings.deployment_id else None)
+        self.adapters = AdapterCatalog(lora, (self.settings.served_model_name, self.settings.model), ledger)
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)
@@ -368,7 +372,7 @@ class Router:
                 raise APIError(400, refusal.message, refusal.param, "invalid_adapter")
         except APIError as exc:
             return exc.response()
-        self.adapters.register(body.lora_name, body.lora_path)
+        await self.adapters.register(body.lora_name, body.lora_path)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
     @api.post("/v1/unload_lora_adapter")
@@ -377,7 +381,7 @@ class Router:
         try:
             self.tenants.authenticate_admin(request.headers.get("authorization"))
             body: UnloadAdapterRequest = await self._parse(request, UnloadAdapterRequest)
-            self.adapters.unregister(body.lora_name)
+            await self.adapters.unregister(body.lora_name)
         except APIError as exc:
             return exc.response()
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
