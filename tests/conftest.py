@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from collections import Counter  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -189,6 +190,24 @@ def smollm2_prompts(smollm2_dir) -> list[list[int]]:
     return chats + [tokenizer.encode(text) for text in RAW]
 
 
+@contextmanager
+def every_core():
+    """torch on every core for a transformers reference: an engine built earlier in this process left the main
+    thread's torch ops on one thread (its own kernels run on kvloom's item pool, kernels/item_pool.py), and the
+    SmolLM2 parity reference then took 25 s on one core instead of 19 s on two."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.fixture(scope="session", name="every_core")
+def every_core_fixture():
+    return every_core
+
+
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, batch: int = 1) -> list[list[int]]:
     """transformers `generate`, greedy: the reference our engine must match token for token. `batch` > 1 runs
     prompts of similar length together, left-padded under an attention mask (SmolLM2's 16 parity prompts: 30 s in
@@ -200,7 +219,7 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, ba
     eos = model.generation_config.eos_token_id
     results: dict[int, list[int]] = {}
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    with torch.inference_mode():
+    with torch.inference_mode(), every_core():
         for start in range(0, len(prompts), batch):
             group = by_length[start:start + batch]
             width = max(len(prompts[i]) for i in group)

@@ -73,9 +73,10 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_model_dir, adapters, prompts) -> dict[str | None, list[list[int]]]:
+def expected(tiny_model_dir, adapters, prompts, every_core) -> dict[str | None, list[list[int]]]:
     """Each prompt's greedy tokens under the base and under each adapter."""
-    return peft_greedy(tiny_model_dir, {None: None, **adapters}, prompts, MAX_NEW)
+    with every_core():
+        return peft_greedy(tiny_model_dir, {None: None, **adapters}, prompts, MAX_NEW)
 
 
 def mixed_batch(names: list[str | None], prompts: list[list[int]]) -> tuple[list[list[int]], list[str | None]]:
@@ -96,13 +97,14 @@ def test_a_mixed_batch_of_four_adapters_and_the_base_equals_peft_merged_on_a_tin
 
 @pytest.mark.slow
 def test_a_mixed_batch_of_four_adapters_and_the_base_equals_peft_merged_on_smollm2(smollm2_dir, smollm2_prompts,
-                                                                                    tmp_path):
+                                                                                    tmp_path, every_core):
     """SmolLM2's 30 layers with random adapters made here, float32."""
     # an o_proj-only adapter of rank 2 changes none of SmolLM2's first 8 tokens of these prompts: rank 8 does
     adapters = make_adapters(smollm2_dir, tmp_path, {**{k: v for k, v in SHAPES.items() if k != "o-r2"},
                                                      "o-r8": (8, ("o_proj",))})
     prompts = smollm2_prompts[-2:]  # two raw prompts (code, numbers), on which every one of these adapters differs
-    expected = peft_greedy(smollm2_dir, {None: None, **adapters}, prompts, 8)
+    with every_core():
+        expected = peft_greedy(smollm2_dir, {None: None, **adapters}, prompts, 8)
     assert all(expected[name] != expected[None] for name in adapters)
     llm = LLM(str(smollm2_dir), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=512,
               lora={"adapters": adapters, "max_loras": 4})
