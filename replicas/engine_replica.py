@@ -31,7 +31,7 @@ from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.outputs import RequestOutput
-from kvloom.replicas.messages import (Chunk, ReplicaError, ReplicaStats, RouterView, StepChunks, SubmitReply,
+from kvloom.replicas.messages import (ActorName, Chunk, ReplicaError, ReplicaStats, RouterView, StepChunks, SubmitReply,
                                      SubmitRequest)
 
 if TYPE_CHECKING:
@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PREFIX_SUMMARY_SIZE = 4096  # most recent cached-block hashes published for prefix affinity
+# how often an output channel checks that the router reading it still lives: Ray does not end a stream whose caller
+# was killed, and an open one runs its requests for nobody and holds this replica's stop for Serve's graceful period
+CALLER_CHECK_S = 1.0
 
 
 def engine_device(config: EngineConfig) -> EngineConfig:
@@ -201,20 +204,33 @@ class EngineReplica:
             return self.refusal(exc)
         return None
 
-    async def outputs(self, channel: str, target_replica: str | None = None) -> AsyncIterator[StepChunks]:
+    async def outputs(self, channel: str, target_replica: str | None = None,
+                      caller: ActorName | None = None) -> AsyncIterator[StepChunks]:
         """The chunks of every request submitted on `channel`, a step's worth per item: one Ray message per
         engine step instead of one per running request. The first item, at once, names this replica; a
-        request's chunks carry its `request_id`. Closing the stream aborts the requests still on it."""
+        request's chunks carry its `request_id`. Closing the stream aborts the requests still on it, and so does
+        the end of `caller` (the router reading it), checked every CALLER_CHECK_S."""
         yield StepChunks(self.replica_id)
         if target_replica not in (None, self.replica_id):
             return  # Serve routed it here because the target is gone: the router learns that from the first item
         batches = self._channel(channel)
+        waiting: asyncio.Future | None = None
+        checked = time.monotonic()
         try:
             while True:
-                outputs = await batches.next_batch()
-                yield StepChunks(self.replica_id, [self.chunk(o) if isinstance(o, RequestOutput)
-                                                   else self.error_chunk(o.error, o.request_id) for o in outputs])
+                waiting = waiting or asyncio.ensure_future(batches.next_batch())
+                if (await asyncio.wait({waiting}, timeout=CALLER_CHECK_S))[0]:
+                    outputs, waiting = waiting.result(), None
+                    yield StepChunks(self.replica_id, [self.chunk(o) if isinstance(o, RequestOutput)
+                                                       else self.error_chunk(o.error, o.request_id) for o in outputs])
+                if caller is not None and time.monotonic() - checked >= CALLER_CHECK_S:
+                    if not await asyncio.to_thread(caller.alive):
+                        logger.warning("channel %s: its router %s is gone; its requests end", channel, caller.name)
+                        return
+                    checked = time.monotonic()
         finally:
+            if waiting is not None:
+                waiting.cancel()
             if self.channels.get(channel) is batches:
                 del self.channels[channel]
             batches.close()

@@ -79,6 +79,23 @@ class Chunk:
         return self.error is not None or self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class ActorName:
+    """A named Ray actor (the router that reads an output channel): the replica checks it still lives."""
+
+    name: str
+    namespace: str
+
+    def alive(self) -> bool:
+        import ray
+
+        try:
+            ray.get_actor(self.name, namespace=self.namespace)
+        except ValueError:  # no live actor has that name
+            return False
+        return True
+
+
 @dataclass
 class StepChunks:
     """A step's chunks for the requests of one output channel, from one replica."""

@@ -15,7 +15,20 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
-from kvloom.replicas.messages import Chunk, SubmitRequest
+import ray
+
+from kvloom.replicas.messages import ActorName, Chunk, SubmitRequest
+
+
+SERVE_NAMESPACE = "serve"  # where Serve names its replicas' actors (not the namespace their runtime context shows)
+
+
+def this_actor() -> ActorName | None:
+    """This process's Serve replica actor (the router), if it is one."""
+    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+        return None
+    name = ray.get_runtime_context().get_actor_name()
+    return ActorName(name, SERVE_NAMESPACE) if name else None
 
 
 class ReplicaGone(RuntimeError):
@@ -32,6 +45,7 @@ class ReplicaChannels:
     def __init__(self, replicas_handle) -> None:
         self.handle = replicas_handle
         self.channel_id = uuid.uuid4().hex  # this router process's channel on every replica
+        self.reader = this_actor()  # replicas end its channels once it is gone (a killed router's would stay open)
         self.requests: dict[str, "ChannelStream"] = {}
         self._listeners: dict[str, asyncio.Task] = {}
         self._closing: dict[str, ReplicaGone] = {}  # why the router closes a replica's channel
@@ -61,7 +75,8 @@ class ReplicaChannels:
             self._listeners[replica_id] = asyncio.get_running_loop().create_task(self._listen(replica_id))
 
     async def _listen(self, replica_id: str) -> None:
-        stream = self.handle.options(stream=True).outputs.remote(self.channel_id, target_replica=replica_id)
+        stream = self.handle.options(stream=True).outputs.remote(self.channel_id, target_replica=replica_id,
+                                                                 caller=self.reader)
         error: BaseException = ReplicaGone(f"replica {replica_id} closed its output channel")
         try:
             async for step in stream:

@@ -14,7 +14,7 @@ from kvloom.cluster.cli import DEFAULT_CONFIG
 from kvloom.cluster.config import load_cluster_config
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.sampling import SamplingParams
-from kvloom.replicas.messages import Chunk, Continuation, StepChunks, SubmitReply, SubmitRequest
+from kvloom.replicas.messages import ActorName, Chunk, Continuation, StepChunks, SubmitReply, SubmitRequest
 
 pytestmark = pytest.mark.slow
 
@@ -75,6 +75,23 @@ def test_concurrent_requests_use_both_replicas(two_replicas):
     assert all(r["status"] == 200 for r in results)
     served = {s["replica_id"]: s["dispatched"] for s in router.replica_stats.remote().result()}
     assert len(served) == 2 and all(count > 0 for count in served.values()), served
+
+
+def test_a_channel_whose_router_is_gone_ends_within_seconds(two_replicas):
+    """A router killed while its channel idles never reads it again, and Ray does not end the call: the replica
+    checks the channel's reader every second and ends it (an open one held the replica's stop for Serve's whole
+    graceful period, and ran its requests for nobody)."""
+    _, router = two_replicas
+    target = router.replica_stats.remote().result()[0]["replica_id"]
+    replicas = serve.get_deployment_handle("EngineReplica", "kvloom")
+    gone = ActorName("SERVE_REPLICA::kvloom#Router#gone", "serve")
+
+    async def read_to_the_end() -> list[StepChunks]:
+        stream = replicas.options(stream=True).outputs.remote("orphan", target_replica=target, caller=gone)
+        return [step async for step in stream]
+
+    steps = asyncio.run(asyncio.wait_for(read_to_the_end(), 30))
+    assert [(step.replica, step.chunks) for step in steps] == [(target, [])]  # its first item, then the end
 
 
 def test_a_replica_sends_its_channel_a_step_of_every_request_per_message(two_replicas):
