@@ -25,9 +25,10 @@ SERVE_NAMESPACE = "serve"  # where Serve names its replicas' actors (not the nam
 
 def this_actor() -> ActorName | None:
     """This process's Serve replica actor (the router), if it is one."""
-    if not ray.is_initialized() or ray.get_runtime_context().get_actor_id() is None:
+    if not ray.is_initialized():  # asking the runtime context would start a local Ray
         return None
-    name = ray.get_runtime_context().get_actor_name()
+    context = ray.get_runtime_context()
+    name = context.get_actor_name() if context.get_actor_id() is not None else None
     return ActorName(name, SERVE_NAMESPACE) if name else None
 
 
