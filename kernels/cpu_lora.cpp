@@ -29,11 +29,12 @@ inline float lanes_sum(vfloat v) {
 
 // Software prefetch of the rows a later group of UNROLL rows reads, PREFETCH_GROUPS groups ahead: an adapter's
 // rows are short (an A row is `in` elements), so a group's UNROLL row streams each end before the hardware
-// prefetcher has ramped up on them, and the loads stall on memory
+// prefetcher has ramped up on them, and the loads stall on memory. Into L2, not L1 (locality 1): the loads' own
+// misses keep L1's miss buffers, and a decode step's LoRA ran 7-15% faster so (docs/performance.md)
 constexpr int64_t PREFETCH_GROUPS = 2;
 template <typename T>
 inline void prefetch_ahead(const T* p, int64_t distance, const T* end) {
-  if (p + distance < end) __builtin_prefetch(p + distance, 0, 3);
+  if (p + distance < end) __builtin_prefetch(p + distance, 0, 1);
 }
 
 // rows of A read together (each load of x serves UNROLL_A of them) and of B (each partial sum's load, UNROLL_B):
