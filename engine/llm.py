@@ -1,5 +1,6 @@
 """LLM: offline batch generation, the simplest way to use the engine."""
 
+import torch
 from tqdm import tqdm
 
 from kvloom.engine.config import EngineConfig
@@ -7,13 +8,20 @@ from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.sampling import SamplingParams
+from kvloom.kernels.item_pool import torch_threads
 
 
 class LLM:
+    """The engine on the caller's thread: that thread's torch ops run on the engine's thread count (one where
+    kvloom's kernels run on the item pool, a rank's share under tensor parallelism) only while it steps, so the
+    caller's own torch work keeps its cores."""
+
     def __init__(self, model: str | None = None, **engine_kwargs) -> None:
         if model is not None:
             engine_kwargs["model"] = model
-        self.engine = LLMEngine(EngineConfig(**engine_kwargs))
+        with torch_threads(torch.get_num_threads()):
+            self.engine = LLMEngine(EngineConfig(**engine_kwargs))
+            self.step_threads = torch.get_num_threads()  # as the engine set this thread up for its steps
 
     def generate(
         self,
@@ -39,7 +47,8 @@ class LLM:
         for request in requests:
             self.engine.add_prepared(request)
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(prompts), disable=not use_tqdm, desc="generating") as bar:
+        progress = tqdm(total=len(prompts), disable=not use_tqdm, desc="generating")
+        with progress as bar, torch_threads(self.step_threads):
             while self.engine.has_unfinished():
                 for output in self.engine.step():
                     if output.finished:

@@ -12,6 +12,8 @@ the pool stays off. While it is on, torch keeps one thread (the small ops left t
 """
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -56,3 +58,15 @@ def use_item_pool(enabled: bool) -> None:
         ops.set_pool_threads(0)
         torch.set_num_threads(threads)
     logger.info("%d thread(s) on %s", threads, "kvloom's item pool" if enabled else "torch's OpenMP team")
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """This thread's torch ops on `threads` threads for the body, its own count again after: an offline engine
+    steps on its caller's thread (engine/llm.py), whose torch work afterwards keeps every core it had."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

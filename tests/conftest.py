@@ -10,13 +10,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from collections import Counter  # noqa: E402
-from contextlib import contextmanager  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kvloom.benchmarks.tiny_model import build_tiny_llama  # noqa: E402
+from kvloom.kernels.item_pool import torch_threads  # noqa: E402
 
 
 def _blocked_gemm() -> bool:
@@ -190,17 +190,11 @@ def smollm2_prompts(smollm2_dir) -> list[list[int]]:
     return chats + [tokenizer.encode(text) for text in RAW]
 
 
-@contextmanager
 def every_core():
-    """torch on every core for a transformers reference: an engine built earlier in this process left the main
-    thread's torch ops on one thread (its own kernels run on kvloom's item pool, kernels/item_pool.py), and the
+    """torch on every core for a transformers reference: an `LLMEngine` built earlier in this process left the
+    main thread's torch ops on one thread (its own kernels run on kvloom's item pool, kernels/item_pool.py), and the
     SmolLM2 parity reference then took 25 s on one core instead of 19 s on two."""
-    saved = torch.get_num_threads()
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
+    return torch_threads(len(os.sched_getaffinity(0)))
 
 
 @pytest.fixture(scope="session", name="every_core")

@@ -8,7 +8,9 @@ import threading
 import pytest
 import torch
 
+from kvloom.engine.llm import LLM
 from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import item_pool, packed_linear
 from kvloom.kernels.host_isa import HostISA
 from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
@@ -41,6 +43,20 @@ def test_an_engine_on_the_blocked_kernel_runs_on_the_pool_and_one_on_onednn_on_o
     monkeypatch.setattr(packed_linear, "host_isa", lambda: HostISA("AVX2 only", frozenset({"avx2"})))
     LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)  # oneDNN's GEMMs need torch's team
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (0, 2)
+
+
+@BLOCKED_KERNEL
+def test_an_offline_llm_moves_its_callers_torch_threads_only_while_it_steps(tiny_model_dir, kernel_threads):
+    """Its steps run on the caller's thread, torch's ops there inline (one thread) beside the pool; before and
+    after, the caller's own torch work keeps the threads it had."""
+    kernel_threads(2, pool=False)
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", block_size=4)
+    assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 2)
+    during, step = [], llm.engine.step
+    llm.engine.step = lambda: during.append(torch.get_num_threads()) or step()
+    [output] = llm.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(output.outputs[0].token_ids) == 3
+    assert set(during) == {1} and torch.get_num_threads() == 2
 
 
 @BLOCKED_KERNEL
