@@ -52,6 +52,9 @@ class LoRAConfig(BaseModel):
     max_loras: int = Field(4, ge=1)  # distinct adapters among a step's rows; requests for others wait
     max_lora_rank: int = Field(64, ge=1)
     max_cpu_loras: int = Field(32, ge=1)  # adapters kept loaded in host memory (least recently used go first)
+    # while a request waits for a slot, the adapter holding one longest takes no newer requests after this long, so
+    # its slot frees (engine/lora/adapter_admission.py)
+    slot_tenure_s: float = Field(10.0, ge=0)
 
     @field_validator("adapters")
     @classmethod

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvloom.engine.batching import make_batching
 from kvloom.engine.kv_cache_manager import KVCacheManager
-from kvloom.engine.lora.lora_step import admits_adapter
+from kvloom.engine.lora.adapter_admission import AdapterAdmission
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
 
@@ -42,6 +42,7 @@ class SchedulerLimits:
     bucket_width: int = 64
     max_wait_s: float = 0.05
     max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: no adapters served)
+    slot_tenure_s: float = 10.0  # see engine/lora/adapter_admission.py
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.batching = make_batching(limits.batching, limits.max_num_seqs, limits.bucket_width, limits.max_wait_s)
         self.counters = SchedulerCounters()
+        self.adapters = AdapterAdmission(limits.max_loras, limits.slot_tenure_s)
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -173,14 +175,14 @@ class Scheduler:
         """Admit in queue order among what the batching strategy allows; stop at the first misfit.
 
         A request evicted this very step is not taken back in it (that would only thrash). A request whose LoRA
-        adapter would exceed the batch's adapter slots waits without holding back those behind it.
+        adapter has no slot waits without holding back those behind it (engine/lora/adapter_admission.py).
         """
-        adapters = {r.lora.name for r in self.running if r.lora is not None}
+        adapters = self.adapters.start(self.running)
         for request in self.batching.admissible(self.waiting):
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in out.preempted:
                 break
             adapter = request.lora.name if request.lora is not None else None
-            if not admits_adapter(adapter, adapters, self.limits.max_loras):
+            if not adapters.admits(adapter):
                 continue
             source = self._fork_source(request)
             if source is not None:
@@ -201,8 +203,7 @@ class Scheduler:
                 request.num_cached_prompt_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            if adapter is not None:
-                adapters.add(adapter)
+            adapters.admitted(adapter)
             planned[request.request_id] = num_new
             budget -= num_new
         return budget

@@ -206,6 +206,32 @@ def test_adapter_slots_bound_the_running_batch_and_evicted_adapters_come_back_wi
     assert len(engine.adapters.host) == 1
 
 
+@pytest.mark.parametrize("tenure_s", [0.0, 3600.0])
+def test_a_steady_stream_for_one_adapter_gives_up_its_slot_to_a_waiting_one_after_its_tenure(
+        tiny_model_dir, adapters, prompts, tenure_s):
+    """max_loras 1 and a new request for one adapter every step, so its slot never empties by itself: past its
+    tenure it takes no request from behind the one waiting for another adapter, drains, and the waiting one gets the
+    slot (within its tenure, an hour here, it would keep it for the whole test). Every request is served."""
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+                       lora={"adapters": adapters, "max_loras": 1, "slot_tenure_s": tenure_s})
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    finished, other_started = set(), None
+    for step in range(40):
+        engine.add_request(f"qv-{step}", prompts[step % len(prompts)], params, lora="qv-r4")
+        if step == 3:
+            other = engine.add_request("other", prompts[0], params, lora="mlp-r16")
+        finished |= {o.request_id for o in engine.step() if o.finished}
+        if other_started is None and step >= 3 and other.num_output_tokens:
+            other_started = step
+    if tenure_s > 40:
+        assert other_started is None  # the stream kept the slot, as it may within its tenure
+        return
+    assert other_started is not None and other_started < 15
+    while engine.has_unfinished():
+        finished |= {o.request_id for o in engine.step() if o.finished}
+    assert finished == {f"qv-{step}" for step in range(40)} | {"other"}
+
+
 def test_ngram_speculation_under_an_adapter_keeps_its_greedy_tokens(tiny_model_dir, adapters, prompts, expected):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, speculative_config=ngram,

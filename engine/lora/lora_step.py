@@ -83,8 +83,3 @@ def _extend(segments: list[Segment], start: int, end: int, adapter: LoRAAdapter)
         start = segments.pop().start
     segments.append(Segment(start, end, adapter))
 
-
-def admits_adapter(adapter_name: str | None, running_adapters: set[str], max_loras: int | None) -> bool:
-    """The scheduler's adapter slots: a request joins the running batch if its adapter is already in it, or the
-    batch holds fewer than `max_loras` adapters (base requests always may)."""
-    return adapter_name is None or adapter_name in running_adapters or len(running_adapters) < max_loras
