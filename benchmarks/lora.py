@@ -1,12 +1,15 @@
 """Multi-LoRA on W1: the base model alone against 1, 8 and 32 random adapters (ranks 8, 16 and 64 in turn, every
 projection patched) spread over the requests uniformly and Zipf-skewed, and 100 registered adapters with max_loras 8
 under the Zipf mix; and what loading an adapter cold costs. Each mix runs in a fresh process, one after another in
-one run, so the ratios to the base come from one run on one host. `--peers` adds vLLM's CPU build (set up by
+one run, so the ratios to the base come from one run on one host; `--repeats N` runs the base and every mix N times
+in rounds, and the goals and ratios are the median of each round's ratio (this 2-core host's hour-to-hour noise
+moved one mix's ratio by 0.1 between single runs: docs/performance.md). `--peers` adds vLLM's CPU build (set up by
 benchmarks/peer_setup/vllm.sh, at the settings `external_peers.vllm_env` gives) on the same requests, adapters and
 knobs right after kvloom: `vllm` its offline `LLM` with `enable_lora` (greedy outputs compared with kvloom's),
 `vllm-serve` and `kvloom-serve` over HTTP, each request naming its adapter as `model`.
 
-    python -m kvloom.benchmarks.lora [--requests 64] [--model smollm2] [--mixes NAME,...] [--peers vllm,...]
+    python -m kvloom.benchmarks.lora [--requests 64] [--model smollm2] [--mixes NAME,...] [--repeats 1]
+                                     [--peers vllm,...]
 
 writes benchmarks/results/lora.{md,json} (adapters and per-system records under benchmarks/out/lora).
 """
@@ -14,6 +17,7 @@ writes benchmarks/results/lora.{md,json} (adapters and per-system records under 
 import argparse
 import json
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -107,14 +111,29 @@ def cold_load(model: str, adapters: dict[str, str], dtype: str) -> list[dict]:
     return rows
 
 
+def rounds(doc: dict) -> list[dict]:
+    """Each round's runs by mix (`--repeats`: the first is `runs`, the others `repeats`)."""
+    return [doc["runs"], *doc.get("repeats", [])]
+
+
+def ratios(doc: dict, mix: str) -> list[float]:
+    """kvloom's output tok/s in `mix` over the base's, one a round."""
+    found = []
+    for runs in rounds(doc):
+        base = metric(runs[BASE], BASE, "output_tok_s")
+        ours = metric(runs[mix], mix, "output_tok_s") if mix in runs else None
+        if ours and base:
+            found.append(ours / base)
+    return found
+
+
+def ratio_cell(found: list[float]) -> str:
+    """The median ratio, and the range where there were several rounds."""
+    median = f"{statistics.median(found):.2f}x"
+    return median if len(found) < 2 else f"{median} ({min(found):.2f}-{max(found):.2f}, {len(found)} runs)"
+
+
 def goals(doc: dict) -> list[tuple[str, str, bool | None]]:
-    base = metric(doc["runs"][BASE], BASE, "output_tok_s")
-
-    def ratio(mix: str) -> float | None:
-        run = doc["runs"].get(mix)
-        ours = metric(run, mix, "output_tok_s") if run else None
-        return ours / base if ours and base else None
-
     rows = []
     checks = [(f"8 adapters of rank {r} mixed in every step: >= 0.85x the base model's W1 throughput",
                f"8 uniform r{r}", 0.85) for r in RANKS]
@@ -122,10 +141,11 @@ def goals(doc: dict) -> list[tuple[str, str, bool | None]]:
                ("100 adapters, max_loras 8, Zipf mix: >= 0.75x the base, no request fails", "100 zipf max_loras 8",
                 0.75)]
     for goal, mix, floor in checks:
-        r = ratio(mix)
-        failed = [s["status"] for s in doc["runs"].get(mix, {}).get("results", []) if s["status"] != "ok"]
-        rows.append((goal, f"{r:.2f}x" + (f" ({', '.join(failed)})" if failed else "") if r else "not measured",
-                     (r >= floor and not failed) if r else None))
+        found = ratios(doc, mix)
+        failed = [s["status"] for runs in rounds(doc)
+                  for s in runs.get(mix, {}).get("results", []) if s["status"] != "ok"]
+        rows.append((goal, ratio_cell(found) + (f" ({', '.join(failed)})" if failed else "") if found
+                     else "not measured", (statistics.median(found) >= floor and not failed) if found else None))
     for how, ours, theirs in (("offline", None, "vllm"), ("over HTTP", "kvloom-serve", "vllm-serve")):
         against = [(mix, *pair) for mix in doc["runs"] if mix != BASE and (pair := versus(doc, mix, ours, theirs))]
         rows.append((f"at least 1.5x vLLM's CPU build with LoRA, {how}", "; ".join(
@@ -149,7 +169,6 @@ def peer_name(kind: str, mix: str) -> str:
 def write_report(doc: dict, out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora.json").write_text(json.dumps(doc, indent=1))
-    base = metric(doc["runs"][BASE], BASE, "output_tok_s")
     lines = ["# Multi-LoRA: W1 with adapters mixed in every step", "", environment_lines(doc["environment"]),
              f"dtype {doc['dtype']}; {doc['num_requests']} W1 requests; regenerate with "
              f"`{doc['command']}` ({doc['wall_s'] / 60:.0f} min). Adapters: random, every projection "
@@ -157,6 +176,7 @@ def write_report(doc: dict, out: Path) -> Path:
              "## Goals", "", "| goal | measured | met |", "|---|---|---|"]
     lines += [f"| {g} | {m} | {'–' if met is None else 'yes' if met else '**no**'} |" for g, m, met in goals(doc)]
     lines += ["", "## Throughput and latency", "",
+              "The first round's figures; `vs base` is the median over the rounds.", "",
               "| mix | adapters | max_loras | out tok/s | vs base | TPOT p50 / p99 ms | TTFT p50 s | status |",
               "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, run in doc["runs"].items():
@@ -167,7 +187,7 @@ def write_report(doc: dict, out: Path) -> Path:
             lines.append(f"| {name} | – | – | – | – | – | – | {result['status']} |")
             continue
         lines.append(f"| {name} | {mix.adapters if mix else 0} | {mix.max_loras if mix else '–'} | "
-                     f"{m['output_tok_s']:.1f} | {m['output_tok_s'] / base:.2f}x | "
+                     f"{m['output_tok_s']:.1f} | {ratio_cell(ratios(doc, name)) if mix else '1.00x'} | "
                      f"{latency_cell(m['tpot'], 'p50', ms=True)} / {latency_cell(m['tpot'], 'p99', ms=True)} | "
                      f"{latency_cell(m['ttft'], 'p50', ms=False)} | "
                      f"{result['status']} |")
@@ -208,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=64, help="W1 requests (64: the whole workload)")
     parser.add_argument("--mixes", default=",".join(m.name for m in MIXES), help="comma-separated mix names")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the base and every mix (median ratios)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--peers", default="", help="comma-separated: vllm (offline), vllm-serve and kvloom-serve "
                                                     "(over HTTP) on the same requests and adapters")
@@ -230,15 +251,18 @@ def main(argv: list[str] | None = None) -> int:
         return [SystemSpec(name, "kvloom", engine=engine),
                 *(SystemSpec(peer_name(peer, name), peer, engine=served[peer]) for peer in peers)]
 
-    runs = {BASE: run_systems(workload, systems(BASE, None), settings, RUNS_DIR / BASE, BASE)}
-    for mix in mixes:
-        lora = {"adapters": {n: adapters[n] for n in mix.names}, "max_loras": mix.max_loras,
-                "max_cpu_loras": max(mix.adapters, mix.max_loras)}
-        runs[mix.name] = run_systems(assign(workload, mix), systems(mix.name, lora), settings,
-                                     RUNS_DIR / mix.name.replace(" ", "-").replace(",", ""), mix.name)
+    done = []
+    for _ in range(args.repeats):
+        runs = {BASE: run_systems(workload, systems(BASE, None), settings, RUNS_DIR / BASE, BASE)}
+        for mix in mixes:
+            lora = {"adapters": {n: adapters[n] for n in mix.names}, "max_loras": mix.max_loras,
+                    "max_cpu_loras": max(mix.adapters, mix.max_loras)}
+            runs[mix.name] = run_systems(assign(workload, mix), systems(mix.name, lora), settings,
+                                         RUNS_DIR / mix.name.replace(" ", "-").replace(",", ""), mix.name)
+        done.append(runs)
     doc = {"command": command, "environment": environment(settings), "dtype": dtype,
            "num_requests": len(workload.requests),
-           "mixes": [asdict(m) for m in mixes], "runs": runs,
+           "mixes": [asdict(m) for m in mixes], "runs": done[0], "repeats": done[1:],
            "cold": in_fresh_process(cold_load, args.model, {n: adapters[n] for n in cold}, dtype),
            "wall_s": time.monotonic() - started,
            "vllm_settings": " ".join(f"{k}={v}" for k, v in vllm_env(settings).items()) if with_vllm else None}
