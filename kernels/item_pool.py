@@ -46,9 +46,15 @@ def set_intra_op_threads(threads: int) -> None:
 
 
 def use_item_pool(enabled: bool) -> None:
-    """Move the step's threads to the item pool (or back to torch's team), keeping their number."""
+    """Move the step's threads to the item pool (or back to torch's team), keeping their number. Turned on, or
+    found on, the calling thread's torch ops run inline (one thread) beside the pool, whatever another thread or
+    an offline `LLM` (engine/llm.py) set there before."""
     ops = _pool()
-    if ops is None or enabled == bool(ops.pool_threads()):
+    if ops is None:
+        return
+    if enabled == bool(ops.pool_threads()):
+        if enabled:
+            torch.set_num_threads(1)
         return
     threads = intra_op_threads()
     if enabled:

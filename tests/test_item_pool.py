@@ -30,6 +30,9 @@ def test_the_pool_takes_torchs_threads_and_gives_them_back(kernel_threads):
     assert (item_pool.pool_threads(), torch.get_num_threads(), item_pool.intra_op_threads()) == (3, 1, 3)
     item_pool.set_intra_op_threads(2)  # e.g. a second replica started on the node
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
+    torch.set_num_threads(2)  # e.g. an offline LLM gave its caller's threads back
+    item_pool.use_item_pool(True)  # found on: this thread's torch ops inline beside it again
+    assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
     item_pool.use_item_pool(False)
     assert (item_pool.pool_threads(), torch.get_num_threads(), item_pool.intra_op_threads()) == (0, 2, 2)
 
