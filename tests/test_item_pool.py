@@ -102,10 +102,13 @@ def test_a_forked_child_starts_workers_of_its_own(kernel_threads):
     expected = linear(x)  # the parent's workers are running
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
-    child = context.Process(target=_child_result, args=(queue,))
+    child = context.Process(target=_child_result, args=(queue,), daemon=True)  # a hung child fails this test only
     child.start()
-    started, first, second = queue.get(timeout=60)
-    child.join(timeout=60)
+    try:
+        started, first, second = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        child.kill()
     assert child.exitcode == 0 and started == 1
     assert first == second == expected.float().tolist()
 
