@@ -9,21 +9,20 @@ runs finish, and the waiting one takes it. Requests ahead of the waiter in queue
 """
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from kvloom.engine.request import Request
 
 
 class AdapterAdmission:
-    def __init__(self, max_loras: int | None, tenure_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_loras: int | None, tenure_s: float) -> None:
         self.max_loras = max_loras  # None: no adapters served, every request joins
         self.tenure_s = tenure_s
-        self.clock = clock
         self.held_since: dict[str, float] = {}  # each running adapter: when it took its slot
 
     def start(self, running: Iterable[Request]) -> "AdmissionPass":
         """One pass over the queue in order, from the running batch's adapters."""
-        now = self.clock()
+        now = time.monotonic()
         adapters = {r.lora.name for r in running if r.lora is not None}
         self.held_since = {name: self.held_since.get(name, now) for name in adapters}
         return AdmissionPass(self, now)
