@@ -1,9 +1,10 @@
 // LoRA deltas of a step's adapter segments on CPU (punica's SGMV): y[rows] += (x[rows] @ A) @ B for each segment's
-// own adapter, in one call per linear. A decode step's segments are a few rows each, where a GEMM library call
-// costs more in set-up than the arithmetic and its weights are read once anyway: this streams each adapter's A and
-// B once per block of up to ROWS rows, and reads of B skip its zero blocks (a fused linear's B holds each part's B
-// over that part's columns only: the `parts` table). A prompt chunk's segment is many such blocks, its weights
-// then in cache. Measurements: docs/performance.md, "multi-LoRA".
+// own adapter, in one call per linear that finds the adapters' weights through the step's table of them (building
+// each call's list of tensors in Python cost more than the arithmetic at few rows). A decode step's segments are a
+// few rows each, where a GEMM library call costs more in set-up than the arithmetic and its weights are read once
+// anyway: this streams each adapter's A and B once per block of up to ROWS rows, and reads of B skip its zero
+// blocks (a fused linear's B holds each part's B over that part's columns only: the table's parts). A prompt
+// chunk's segment is many such blocks, its weights then in cache. Measurements: docs/performance.md, "multi-LoRA".
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -213,81 +214,90 @@ void with_rows(int64_t m, Item item) {
   TORCH_CHECK(false, "lora_add_: a work item of ", m, " rows");
 }
 
-// y [T, out] += each segment's delta; x [T, in]; a[s] [R_s, in], b[s] [R_s, out]; rows: (first, end) per segment,
-// already within x's rows; parts: per segment, its part count then (r0, r1, c0, c1) per part
-template <typename T>
-void add_deltas(const at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& a,
-                const std::vector<at::Tensor>& b, const std::vector<int64_t>& rows, const std::vector<int64_t>& parts) {
-  struct Item { int64_t segment, lo, hi, parts_at; };
-  std::vector<Item> items;
-  int64_t at_part = 0;
-  for (size_t s = 0; s < a.size(); ++s) {
-    for (int64_t lo = rows[2 * s]; lo < rows[2 * s + 1]; lo += ROWS)
-      items.push_back({static_cast<int64_t>(s), lo, std::min(lo + ROWS, rows[2 * s + 1]), at_part});
-    at_part += 1 + 4 * parts[at_part];
-  }
-  const T* xp = x.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  const int64_t in = x.size(1), out = y.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
-  std::vector<const T*> a_data, b_data;
-  std::vector<int64_t> ranks;
-  for (size_t s = 0; s < a.size(); ++s) {
-    a_data.push_back(a[s].data_ptr<T>());
-    b_data.push_back(b[s].data_ptr<T>());
-    ranks.push_back(a[s].size(0));
-  }
-  struct Scratch { std::vector<float> shrunk, sums; std::vector<uint32_t> pairs; };
-  deal_items(static_cast<int64_t>(items.size()), [] { return Scratch(); }, [&](int64_t n, Scratch& scratch) {
-    const Item& it = items[n];
-    const T* xi = xp + it.lo * x_stride;
-    T* yi = yp + it.lo * y_stride;
-    const int64_t* item_parts = parts.data() + it.parts_at + 1;
-    const int64_t num_parts = parts[it.parts_at], rank = ranks[it.segment];
-    with_rows(it.hi - it.lo, [&](auto rows) {
-      constexpr int M = decltype(rows)::value;
-#if defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16>) {
-        return segment_rows_pairs<M>(xi, x_stride, yi, y_stride, a_data[it.segment], b_data[it.segment], in, rank,
-                                     item_parts, num_parts, scratch.shrunk, scratch.pairs);
-      } else
-#endif
-      segment_rows<T, M>(xi, x_stride, yi, y_stride, a_data[it.segment], b_data[it.segment], in, rank, out,
-                         item_parts, num_parts, scratch.shrunk, scratch.sums);
-    });
-  });
-}
+// A linear's row of an adapter's weights table (kernels/cpu_lora.py, `weights_table`): where its A and B are and
+// what they hold; rank 0: the adapter does not patch this linear
+enum Column : int64_t { A_DATA, B_DATA, RANK, IN, ELEMENT_SIZE, B_ELEMENTS, NUM_PARTS, PARTS, WIDTH = PARTS + 12 };
 
 // B's elements as the op reads them: [R, out] as given, or packed (pack_expand) for the bfloat16 pairs path
-int64_t expand_elements(bool packed, int64_t rank, int64_t out, const int64_t* parts) {
+int64_t expand_elements(bool packed, int64_t rank, int64_t out, const int64_t* row) {
   if (!packed) return rank * out;
   int64_t elements = 0;
-  for (int64_t p = 0; p < parts[0]; ++p) {
-    const int64_t* part = parts + 1 + 4 * p;
+  for (int64_t p = 0; p < row[NUM_PARTS]; ++p) {
+    const int64_t* part = row + PARTS + 4 * p;
     elements += (part[1] - part[0] + 1) / 2 * 32 * ((part[3] - part[2] + 15) / 16);
   }
   return elements;
 }
 
-void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::TensorList b, at::IntArrayRef rows,
-               at::IntArrayRef parts) {
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0));
-  TORCH_CHECK(a.size() == b.size() && rows.size() == 2 * a.size(), "lora_add_: one (a, b, rows) per segment");
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "lora_add_: x and y differ in dtype");
-  const bool packed = PAIRS && x.scalar_type() == at::kBFloat16;
-  int64_t at_part = 0;
-  for (size_t s = 0; s < a.size(); ++s) {
-    TORCH_CHECK(a[s].is_contiguous() && b[s].is_contiguous() && a[s].scalar_type() == x.scalar_type() &&
-                b[s].scalar_type() == x.scalar_type() && a[s].dim() == 2 && a[s].size(1) == x.size(1) &&
-                b[s].numel() == expand_elements(packed, a[s].size(0), y.size(1), parts.data() + at_part),
-                "lora_add_: segment ", s, "'s A and B do not fit x and y");
-    TORCH_CHECK(0 <= rows[2 * s] && rows[2 * s] <= rows[2 * s + 1] && rows[2 * s + 1] <= x.size(0));
-    at_part += 1 + 4 * parts[at_part];
+// A table row that fits x [T, in] and y [T, out]: a row built for other shapes or another dtype would read past
+// its weights
+void check_row(const int64_t* row, const at::Tensor& x, const at::Tensor& y, bool packed, int64_t segment) {
+  bool fits = row[IN] == x.size(1) && row[ELEMENT_SIZE] == x.element_size() && row[NUM_PARTS] >= 1 &&
+              row[NUM_PARTS] <= 3 && row[A_DATA] != 0 && row[B_DATA] != 0;
+  for (int64_t p = 0; fits && p < row[NUM_PARTS]; ++p) {
+    const int64_t* part = row + PARTS + 4 * p;
+    fits = 0 <= part[0] && part[0] < part[1] && part[1] <= row[RANK] && 0 <= part[2] && part[2] < part[3] &&
+           part[3] <= y.size(1);
   }
-  const std::vector<at::Tensor> as(a.begin(), a.end()), bs(b.begin(), b.end());
-  const std::vector<int64_t> rs(rows.begin(), rows.end()), ps(parts.begin(), parts.end());
+  TORCH_CHECK(fits && row[B_ELEMENTS] == expand_elements(packed, row[RANK], y.size(1), row),
+              "lora_add_: segment ", segment, "'s weights do not fit x ", x.sizes(), " and y ", y.sizes());
+}
+
+// y [T, out] += each segment's delta for x's rows [T, in], the step's rows first_row.. on. tables [S, linears,
+// WIDTH]: each segment's adapter's weights table; rows [S, 2]: each segment's first and end row in the step.
+template <typename T>
+void add_deltas(const at::Tensor& y, const at::Tensor& x, const at::Tensor& tables, const at::Tensor& rows,
+                int64_t linear, int64_t first_row, bool packed) {
+  struct Item { const int64_t* weights; int64_t lo, hi; };
+  std::vector<Item> items;
+  const int64_t* row_bounds = rows.data_ptr<int64_t>();
+  for (int64_t s = 0; s < tables.size(0); ++s) {
+    const int64_t* weights = tables.data_ptr<int64_t>() + (s * tables.size(1) + linear) * WIDTH;
+    const int64_t lo = std::max(row_bounds[2 * s], first_row) - first_row;
+    const int64_t hi = std::min(row_bounds[2 * s + 1], first_row + x.size(0)) - first_row;
+    if (lo >= hi || weights[RANK] == 0) continue;
+    check_row(weights, x, y, packed, s);
+    for (int64_t at = lo; at < hi; at += ROWS) items.push_back({weights, at, std::min(at + ROWS, hi)});
+  }
+  const T* xp = x.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  const int64_t in = x.size(1), out = y.size(1), x_stride = x.stride(0), y_stride = y.stride(0);
+  struct Scratch { std::vector<float> shrunk, sums; std::vector<uint32_t> pairs; };
+  deal_items(static_cast<int64_t>(items.size()), [] { return Scratch(); }, [&](int64_t n, Scratch& scratch) {
+    const Item& it = items[n];
+    const T* xi = xp + it.lo * x_stride;
+    T* yi = yp + it.lo * y_stride;
+    const T* a = reinterpret_cast<const T*>(it.weights[A_DATA]);
+    const T* b = reinterpret_cast<const T*>(it.weights[B_DATA]);
+    const int64_t rank = it.weights[RANK], num_parts = it.weights[NUM_PARTS];
+    const int64_t* parts = it.weights + PARTS;
+    with_rows(it.hi - it.lo, [&](auto rows) {
+      constexpr int M = decltype(rows)::value;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        return segment_rows_pairs<M>(xi, x_stride, yi, y_stride, a, b, in, rank, parts, num_parts, scratch.shrunk,
+                                     scratch.pairs);
+      } else
+#endif
+      segment_rows<T, M>(xi, x_stride, yi, y_stride, a, b, in, rank, out, parts, num_parts, scratch.shrunk,
+                         scratch.sums);
+    });
+  });
+}
+
+void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& tables, const at::Tensor& rows,
+               int64_t linear, int64_t first_row) {
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.stride(1) == 1 && y.stride(1) == 1 && x.size(0) == y.size(0));
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "lora_add_: x and y differ in dtype");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 3 && tables.size(2) == WIDTH &&
+              tables.is_contiguous() && 0 <= linear && linear < tables.size(1),
+              "lora_add_: tables must be int64 [segments, linears, ", int64_t{WIDTH}, "] with linear ", linear);
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 &&
+              rows.size(0) == tables.size(0) && rows.size(1) == 2, "lora_add_: rows must be int64 [segments, 2]");
+  const bool packed = PAIRS && x.scalar_type() == at::kBFloat16;
   switch (x.scalar_type()) {
-    case at::kFloat: return add_deltas<float>(y, x, as, bs, rs, ps);
-    case at::kBFloat16: return add_deltas<at::BFloat16>(y, x, as, bs, rs, ps);
+    case at::kFloat: return add_deltas<float>(y, x, tables, rows, linear, first_row, packed);
+    case at::kBFloat16: return add_deltas<at::BFloat16>(y, x, tables, rows, linear, first_row, packed);
     default: TORCH_CHECK(false, "lora_add_: unsupported dtype ", x.scalar_type());
   }
 }
@@ -297,6 +307,7 @@ void lora_add_(const at::Tensor& y, const at::Tensor& x, at::TensorList a, at::T
 bool lora_packs_expand(at::ScalarType dtype) { return PAIRS && dtype == at::kBFloat16; }
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor[] a, Tensor[] b, int[] rows, int[] parts) -> ()", &lora_add_);
+  m.def("lora_add_(Tensor(a!) y, Tensor x, Tensor tables, Tensor rows, int linear, int first_row) -> ()", &lora_add_);
+  m.def("lora_table_width() -> int", [] { return int64_t{WIDTH}; });
   m.def("lora_packs_expand(ScalarType dtype) -> bool", &lora_packs_expand);
 }

@@ -31,9 +31,32 @@ def pack_expand(b: torch.Tensor, parts: tuple[tuple[int, int, int, int], ...]) -
     return torch.cat(blocks)
 
 
-def lora_add_(y: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor], rows: list[int],
-              parts: list[int]) -> None:
-    """y[r] += (x[r] @ a[s]) @ b[s] for the rows r of each segment s (`rows`: first and end row per segment);
-    `parts`: per segment, its part count, then each part's b rows and columns (r0, r1, c0, c1); each b as
-    `pack_expand` gives it."""
-    lora_extension().lora_add_(y, x, a, b, rows, parts)
+MAX_PARTS = 3  # a fused linear's parts (q|k|v)
+
+
+def weights_table(pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int, int, int], ...]] | None]
+                  ) -> torch.Tensor:
+    """An adapter's weights as the op finds them, one int64 row per linear (None: not patched): where its A
+    [R, in] and B (as `pack_expand` gives it) are, its rank, in features, element size and B's element count (the
+    op checks them against x and y), and its parts (r0, r1, c0, c1). The rows hold addresses: whoever holds the
+    table holds the tensors too (engine/lora/adapter.py)."""
+    width = lora_extension().lora_table_width()
+    table = torch.zeros(len(pairs), width, dtype=torch.int64)
+    for row, pair in zip(table, pairs):
+        if pair is None:
+            continue
+        a, b, parts = pair
+        if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and len(parts) <= MAX_PARTS):
+            raise ValueError("weights_table: A and B must be contiguous, of one dtype, with at most 3 parts")
+        flat = [bound for part in parts for bound in part]
+        row[: 7 + len(flat)] = torch.tensor([a.data_ptr(), b.data_ptr(), a.shape[0], a.shape[1], a.element_size(),
+                                             b.numel(), len(parts), *flat])
+    return table
+
+
+def lora_add_(y: torch.Tensor, x: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor, linear: int,
+              first_row: int = 0) -> None:
+    """y += (x @ A.T) @ B over each segment's rows, with its adapter's weights for `linear`: `tables` [S, linears,
+    width] stacks the segments' adapters' `weights_table`s, `rows` [S, 2] their first and end rows in the step,
+    and x's rows are the step's from `first_row` on."""
+    lora_extension().lora_add_(y, x, tables, rows, linear, first_row)

@@ -313,8 +313,8 @@ def test_a_step_segments_rows_by_adapter_and_keeps_the_lm_heads_rows():
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_the_cpu_kernel_adds_each_segments_delta_from_bs_nonzero_blocks_only(dtype, tolerance):
     """Odd widths (SIMD tails), ranks under the kernel's unroll, segments of 1 to 11 rows (a work item takes up to
-    8); B's zero blocks hold NaN, so reading them would show."""
-    from kvloom.kernels.cpu_lora import lora_add_, lora_extension, pack_expand
+    8), a segment split between two calls; B's zero blocks hold NaN, so reading them would show."""
+    from kvloom.kernels.cpu_lora import lora_add_, lora_extension, pack_expand, weights_table
 
     if lora_extension() is None:
         pytest.skip("the C++ kernel cannot be built here")
@@ -322,16 +322,19 @@ def test_the_cpu_kernel_adds_each_segments_delta_from_bs_nonzero_blocks_only(dty
     x, y = torch.randn(24, 37, generator=generator).to(dtype), torch.randn(24, 50, generator=generator).to(dtype)
     segments = [((0, 1), 3, [(0, 3, 0, 29)]), ((2, 8), 5, [(0, 2, 0, 21), (2, 5, 21, 50)]),
                 ((9, 12), 1, [(0, 1, 7, 9)]), ((12, 23), 7, [(0, 7, 3, 40)])]
-    expected, shrinks, expands, rows, parts = y.float(), [], [], [], []
+    expected, tables, weights = y.float(), [], []
     for (lo, hi), rank, layout in segments:
         a = torch.randn(rank, 37, generator=generator).to(dtype)
         b = torch.full((rank, 50), float("nan"))
         for r0, r1, c0, c1 in layout:
             b[r0:r1, c0:c1] = torch.randn(r1 - r0, c1 - c0, generator=generator)
             expected[lo:hi, c0:c1] += (x[lo:hi].float() @ a.float().t())[:, r0:r1] @ b[r0:r1, c0:c1].to(dtype).float()
-        shrinks.append(a)
-        expands.append(pack_expand(b.to(dtype), layout))
-        rows += [lo, hi]
-        parts += [len(layout), *(bound for part in layout for bound in part)]
-    lora_add_(y, x, shrinks, expands, rows, parts)
+        weights.append((a, pack_expand(b.to(dtype), layout), tuple(layout)))
+        tables.append(weights_table([None, weights[-1]]))  # this adapter patches the second of two linears
+    rows = torch.tensor([bounds for bounds, _, _ in segments])
+    lora_add_(y[:7], x[:7], torch.stack(tables), rows, linear=1)  # x's rows in two calls, as the MLP's chunks
+    lora_add_(y[7:], x[7:], torch.stack(tables), rows, linear=1, first_row=7)
+    lora_add_(y, x, torch.stack(tables), rows, linear=0)  # unpatched: adds nothing
+    with pytest.raises(RuntimeError, match="segment 0's weights do not fit"):  # B's columns past y's
+        lora_add_(y[:, :20], x, torch.stack(tables), rows, linear=1)
     torch.testing.assert_close(y.float(), expected, atol=tolerance * 10, rtol=tolerance)

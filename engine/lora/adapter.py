@@ -48,12 +48,6 @@ class LoRAPair:
     parts: tuple[tuple[int, int, int, int], ...]  # per targeted part: its rows r0..r1 of b, nonzero over c0..c1
 
     @functools.cached_property
-    def part_table(self) -> list[int]:
-        """`parts` as the C++ op reads them (kernels/cpu_lora.py): the count, then each part's four bounds (built
-        once: every step's every patched linear reads it)."""
-        return [len(self.parts), *(bound for part in self.parts for bound in part)]
-
-    @functools.cached_property
     def expand(self) -> torch.Tensor:
         """b as the C++ op reads it (packed once, on the first step that needs it: kernels/cpu_lora.py)."""
         from kvloom.kernels.cpu_lora import pack_expand
@@ -67,6 +61,16 @@ class LoRAAdapter:
     path: Path
     cache_root: int  # its prompts' block-hash root (engine/lora/identity.py)
     layers: list[dict[str, LoRAPair]]  # per decoder layer: fused linear name -> its pair (absent: not patched)
+
+    @functools.cached_property
+    def weights_table(self) -> torch.Tensor:
+        """Every layer's fused linears' weights, as the C++ op finds them (kernels/cpu_lora.py), row
+        `layer * len(FUSED_PARTS) + linear`: built once, on the first CPU step that reads the adapter. It holds
+        addresses of the pairs' `a` and `expand`, which this adapter holds as long as it is."""
+        from kvloom.kernels.cpu_lora import weights_table
+
+        pairs = [layer.get(linear) for layer in self.layers for linear in FUSED_PARTS]
+        return weights_table([(pair.a, pair.expand, pair.parts) if pair is not None else None for pair in pairs])
 
     @property
     def nbytes(self) -> int:

@@ -5,16 +5,22 @@ The runner orders a step's requests by adapter, so each adapter's rows are one c
 linear's delta is `y[rows] += (x[rows] @ a.T) @ b` per adapter in the step, over views, with no gather. On CPU every
 segment, decode rows and prompt chunks alike, goes to one C++ call per linear (kernels/cpu_lora.py), which reads each
 adapter's weights once per few rows and skips the zero blocks of b (torch's GEMMs took twice the base model's time
-on bfloat16 prompt chunks: docs/performance.md); other dtypes and devices use torch's GEMMs. Base rows belong to no
+on bfloat16 prompt chunks: docs/performance.md); other dtypes and devices use torch's GEMMs. The call takes the
+step's table of its adapters' weights, stacked once a step: building each call's arguments in Python cost a
+decode step ~3 ms (120 calls). Base rows belong to no
 segment and cost nothing; a step without adapters holds none. CUDA: adapter_slots.py.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from kvloom.engine.lora.adapter import LoRAAdapter
+from kvloom.engine.lora.adapter import FUSED_PARTS, LoRAAdapter
 from kvloom.kernels.cpu_lora import lora_add_, lora_extension
+
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the C++ op's; other dtypes and devices use torch's GEMMs
+LINEAR_INDEX = {linear: index for index, linear in enumerate(FUSED_PARTS)}  # a layer's fused linears in table order
 
 
 @dataclass(frozen=True)
@@ -49,27 +55,30 @@ class LoRAStep:
         """The deltas of the rows the LM head reads, renumbered from 0 (the last layer's o_proj and MLP)."""
         return LoRAStep(self.kept, self.kept)
 
+    @functools.cached_property
+    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segments as the C++ op reads them: their adapters' weights tables stacked, and their rows."""
+        tables = torch.stack([segment.adapter.weights_table for segment in self.segments])
+        rows = torch.tensor([(segment.start, segment.end) for segment in self.segments], dtype=torch.int64)
+        return tables, rows
+
     def add(self, layer: int, linear: str, x: torch.Tensor, y: torch.Tensor, first_row: int = 0) -> None:
         """y += the LoRA delta of `linear` for x's rows, which are the step's rows from `first_row` on."""
+        if not self.segments:
+            return
+        if x.is_cpu and x.dtype in NATIVE_DTYPES and lora_extension() is not None:
+            tables, rows = self.native_tables
+            lora_add_(y, x, tables, rows, layer * len(FUSED_PARTS) + LINEAR_INDEX[linear], first_row)
+            return
         last_row = first_row + x.shape[0]
-        native = x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and lora_extension() is not None
-        shrinks, expands, rows, parts = [], [], [], []
         for segment in self.segments:
             lo, hi = max(segment.start, first_row) - first_row, min(segment.end, last_row) - first_row
             pair = segment.adapter.layers[layer].get(linear)
             if lo >= hi or pair is None:
                 continue
-            if native:
-                shrinks.append(pair.a)
-                expands.append(pair.expand)
-                rows += (lo, hi)
-                parts += pair.part_table
-            else:
-                shrunk = x[lo:hi] @ pair.a.t()
-                for r0, r1, c0, c1 in pair.parts:  # the nonzero blocks of b only
-                    y[lo:hi, c0:c1].addmm_(shrunk[:, r0:r1], pair.b[r0:r1, c0:c1])
-        if shrinks:
-            lora_add_(y, x, shrinks, expands, rows, parts)
+            shrunk = x[lo:hi] @ pair.a.t()
+            for r0, r1, c0, c1 in pair.parts:  # the nonzero blocks of b only
+                y[lo:hi, c0:c1].addmm_(shrunk[:, r0:r1], pair.b[r0:r1, c0:c1])
 
 
 NO_LORA = LoRAStep()
