@@ -39,6 +39,7 @@ from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
 from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
+from kvloom.kernels.cpu_lora import runs_on_cpu_op
 
 
 class LLMEngine:
@@ -63,7 +64,8 @@ class LLMEngine:
         self.vocab_size = self.model_config.vocab_size
         self.eos_token_ids = eos_token_ids(self.model_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.adapters = LoRARegistry(config.lora, self.model_config, self.dtype) if config.lora else None
+        self.adapters = (LoRARegistry(config.lora, self.model_config, self.dtype,
+                                      for_cpu_op=runs_on_cpu_op(self.device, self.dtype)) if config.lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
                                      self.grammars, self.adapters)
         self.outputs = OutputProcessor(token_decoder(self.tokenizer), self.eos_token_ids, self.max_model_len)

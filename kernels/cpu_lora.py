@@ -12,6 +12,11 @@ def lora_extension():
     return build_extension("kvloom_cpu_lora")
 
 
+def runs_on_cpu_op(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether LoRA deltas run on the C++ op here: on CPU, in float32 or bfloat16, where the op builds."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and lora_extension() is not None
+
+
 def packs_expand(dtype: torch.dtype) -> bool:
     """Whether the op reads B in `pack_expand`'s layout for this dtype (bfloat16 on CPUs with AVX512-BF16)."""
     return lora_extension().lora_packs_expand(dtype)

@@ -6,21 +6,27 @@ decoder runs q|k|v as one linear and gate|up as another (engine/model/decoder.py
 pair: `a` [R, in] stacking the targeted parts' A (R their ranks summed), and `b` [R, out] placing each part's B,
 scaling folded in, over that part's output columns and zero elsewhere (`parts` says where the nonzero blocks are,
 and the kernels read those only). A fused linear then costs one shrink per adapter, and one expand per part.
+
+An adapter is checked from its config and its weights file's header alone (`inspect_adapter`: every refusal, no
+weights read), so an engine checks its configured adapters at start cheaply, and reads one when a request needs it.
+Reading lays the weights out for the kernels that will run them: each `b` as the C++ op reads it and the adapter's
+table of them (kernels/cpu_lora.py) where CPU steps run it, so a step never waits on a layout.
 """
 
-import functools
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as load_safetensors
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
 
 from kvloom.engine.errors import InvalidRequestError
-from kvloom.engine.lora.identity import CONFIG_FILE, WEIGHTS_FILE, cache_root
+from kvloom.engine.lora.identity import CONFIG_FILE, WEIGHTS_FILE, cache_root, weights_digest
 from kvloom.engine.model.model_config import ModelConfig
+from kvloom.kernels.cpu_lora import pack_expand, weights_table
 
 # each fused linear of the decoder -> its parts in output order, named as PEFT names them
 FUSED_PARTS = {
@@ -41,18 +47,20 @@ class AdapterRef:
     cache_root: int  # see LoRAAdapter.cache_root
 
 
+@dataclass(frozen=True)
+class PartLayout:
+    """Where one targeted linear's A and B go in its fused linear's pair, by their keys in the weights file."""
+    a_key: str
+    b_key: str
+    bounds: tuple[int, int, int, int]  # rows r0..r1 of the pair, its output columns c0..c1
+    scaling: float
+
+
 @dataclass
 class LoRAPair:
     a: torch.Tensor  # [R, in]: the shrink (as PEFT stores lora_A: each rank's row contiguous)
-    b: torch.Tensor  # [R, out]: the expand, scaling folded in
+    b: torch.Tensor  # the expand, scaling folded in: [R, out], or as the C++ op reads it (kernels/cpu_lora.py)
     parts: tuple[tuple[int, int, int, int], ...]  # per targeted part: its rows r0..r1 of b, nonzero over c0..c1
-
-    @functools.cached_property
-    def expand(self) -> torch.Tensor:
-        """b as the C++ op reads it (packed once, on the first step that needs it: kernels/cpu_lora.py)."""
-        from kvloom.kernels.cpu_lora import pack_expand
-
-        return pack_expand(self.b, self.parts)
 
 
 @dataclass
@@ -61,16 +69,9 @@ class LoRAAdapter:
     path: Path
     cache_root: int  # its prompts' block-hash root (engine/lora/identity.py)
     layers: list[dict[str, LoRAPair]]  # per decoder layer: fused linear name -> its pair (absent: not patched)
-
-    @functools.cached_property
-    def weights_table(self) -> torch.Tensor:
-        """Every layer's fused linears' weights, as the C++ op finds them (kernels/cpu_lora.py), row
-        `layer * len(FUSED_PARTS) + linear`: built once, on the first CPU step that reads the adapter. It holds
-        addresses of the pairs' `a` and `expand`, which this adapter holds as long as it is."""
-        from kvloom.kernels.cpu_lora import weights_table
-
-        pairs = [layer.get(linear) for layer in self.layers for linear in FUSED_PARTS]
-        return weights_table([(pair.a, pair.expand, pair.parts) if pair is not None else None for pair in pairs])
+    # laid out for the C++ op: every layer's fused linears' weights, row `layer * len(FUSED_PARTS) + linear`; it holds
+    # addresses of the pairs' tensors, which this adapter holds as long as it is
+    table: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
@@ -87,18 +88,18 @@ def part_features(config: ModelConfig, part: str) -> tuple[int, int]:
             "mlp.gate_proj": (hidden, mlp), "mlp.up_proj": (hidden, mlp), "mlp.down_proj": (mlp, hidden)}[part]
 
 
-def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check a PEFT LoRA adapter for this base model; every refusal is an `InvalidRequestError` naming
-    `lora_path` and what is wrong, so a bad adapter is a 400, never a crashed replica."""
-    path = Path(path)
+def inspect_adapter(path: Path, config: ModelConfig, max_rank: int) -> dict[tuple[int, str], list[PartLayout]]:
+    """Check a PEFT LoRA adapter against this base model from its config and its weights' header, and lay its
+    parts out: (layer, fused linear) -> its parts. Every refusal is an `InvalidRequestError` naming `lora_path` and
+    what is wrong, so a bad adapter is a 400, never a crashed replica."""
     settings = _read_config(path)
     try:
-        raw = (path / WEIGHTS_FILE).read_bytes()
-        tensors = load_safetensors(raw)
+        with safe_open(path / WEIGHTS_FILE, framework="pt") as weights:
+            shapes = {key: tuple(weights.get_slice(key).get_shape()) for key in weights.keys()}
     except (OSError, SafetensorError) as exc:
         raise InvalidRequestError("lora_path", f"cannot read {path / WEIGHTS_FILE}: {exc}") from None
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    keys: dict[tuple[int, str], dict[str, str]] = {}
+    for key in shapes:
         match = _KEY.fullmatch(key)
         if match is None:
             raise InvalidRequestError("lora_path", f"{path.name} holds {key}: kvloom patches the attention and MLP "
@@ -106,16 +107,39 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
         layer, part, which = int(match[1]), match[2], match[3]
         if layer >= config.num_hidden_layers:
             raise InvalidRequestError("lora_path", f"{key}: the base model has {config.num_hidden_layers} layers")
-        parts.setdefault((layer, part), {})[which] = tensor
-    layers: list[dict[str, LoRAPair]] = [{} for _ in range(config.num_hidden_layers)]
+        keys.setdefault((layer, part), {})[which] = key
+    layouts = {}
     for fused, names in FUSED_PARTS.items():
         for layer in range(config.num_hidden_layers):
-            found = [(part, parts[(layer, part)]) for part in names if (layer, part) in parts]
-            if found:
-                layers[layer][fused] = _fuse(config, settings, layer, names, found, max_rank, dtype)
-    if not any(layers):
+            if found := [(part, keys[(layer, part)]) for part in names if (layer, part) in keys]:
+                layouts[(layer, fused)] = _lay_out(config, settings, shapes, layer, names, found, max_rank)
+    if not layouts:
         raise InvalidRequestError("lora_path", f"{path / WEIGHTS_FILE} holds no LoRA weights")
-    return LoRAAdapter(name, path, cache_root(name, raw), layers)
+    return layouts
+
+
+def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 for_cpu_op: bool = False) -> LoRAAdapter:
+    """Check and read an adapter (`inspect_adapter`), its weights in `dtype`; `for_cpu_op`: laid out for the C++ op
+    (each b packed, and the adapter's table). The weights file is hashed for its cache root on another thread
+    while its tensors are read and laid out."""
+    path = Path(path)
+    layouts = inspect_adapter(path, config, max_rank)
+    with ThreadPoolExecutor(1) as hasher:
+        digest = hasher.submit(weights_digest, path / WEIGHTS_FILE)
+        try:
+            tensors = load_file(path / WEIGHTS_FILE)
+        except (OSError, SafetensorError) as exc:
+            raise InvalidRequestError("lora_path", f"cannot read {path / WEIGHTS_FILE}: {exc}") from None
+        layers: list[dict[str, LoRAPair]] = [{} for _ in range(config.num_hidden_layers)]
+        for (layer, fused), parts in layouts.items():
+            pair = _fuse(config, fused, parts, tensors, dtype)
+            layers[layer][fused] = LoRAPair(pair.a, pack_expand(pair.b, pair.parts), pair.parts) if for_cpu_op else pair
+        table = None
+        if for_cpu_op:
+            pairs = [layer.get(linear) for layer in layers for linear in FUSED_PARTS]
+            table = weights_table([(pair.a, pair.b, pair.parts) if pair is not None else None for pair in pairs])
+        return LoRAAdapter(name, path, cache_root(name, digest.result()), layers, table)
 
 
 def _read_config(path: Path) -> dict:
@@ -145,33 +169,44 @@ def _pattern_value(settings: dict, pattern_key: str, default, module: str):
     return default
 
 
-def _fuse(config: ModelConfig, settings: dict, layer: int, names: tuple[str, ...],
-          found: list[tuple[str, dict[str, torch.Tensor]]], max_rank: int, dtype: torch.dtype) -> LoRAPair:
-    """One fused linear's pair from its targeted parts' A and B (see the module docstring)."""
+def _lay_out(config: ModelConfig, settings: dict, shapes: dict[str, tuple[int, ...]], layer: int,
+             names: tuple[str, ...], found: list[tuple[str, dict[str, str]]], max_rank: int) -> list[PartLayout]:
+    """One fused linear's targeted parts, checked, in the pair's rows and columns (see the module docstring)."""
     columns, start = {}, 0
     for part in names:
         columns[part] = start
         start += part_features(config, part)[1]
-    shrinks, expands, layout, rows = [], [], [], 0
-    for part, weights in found:
+    layouts, rows = [], 0
+    for part, keys in found:
         module = f"model.layers.{layer}.{part}"
-        if missing := {"A", "B"} - set(weights):
+        if missing := {"A", "B"} - set(keys):
             raise InvalidRequestError("lora_path", f"{module} has no lora_{missing.pop()}")
-        a, b = weights["A"], weights["B"]
+        a, b = shapes[keys["A"]], shapes[keys["B"]]
         features_in, features_out = part_features(config, part)
-        r = a.shape[0]
-        if a.shape != (r, features_in) or b.shape != (features_out, r):
-            raise InvalidRequestError("lora_path", f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do "
-                                                   f"not fit the base model's {features_out}x{features_in} linear")
+        r = a[0] if len(a) == 2 else 0
+        if a != (r, features_in) or b != (features_out, r):
+            raise InvalidRequestError("lora_path", f"{module}: lora_A {a} and lora_B {b} do not fit the base model's "
+                                                   f"{features_out}x{features_in} linear")
         if r > max_rank:
             raise InvalidRequestError("lora_path", f"{module} has rank {r}; max_lora_rank is {max_rank}")
         alpha = _pattern_value(settings, "alpha_pattern", settings.get("lora_alpha", 8), module)
         scaling = alpha / (r ** 0.5 if settings.get("use_rslora") else r)
-        expand = torch.zeros(r, start, dtype=torch.float32)
-        expand[:, columns[part] : columns[part] + features_out] = b.float().t() * scaling
-        shrinks.append(a.float())
-        expands.append(expand)
-        layout.append((rows, rows + r, columns[part], columns[part] + features_out))
+        layouts.append(PartLayout(keys["A"], keys["B"], (rows, rows + r, columns[part], columns[part] + features_out),
+                                  scaling))
         rows += r
-    return LoRAPair(torch.cat(shrinks).to(dtype).contiguous(), torch.cat(expands).to(dtype).contiguous(),
-                    tuple(layout))
+    return layouts
+
+
+def _fuse(config: ModelConfig, fused: str, parts: list[PartLayout], tensors: dict[str, torch.Tensor],
+          dtype: torch.dtype) -> LoRAPair:
+    """One fused linear's pair in `dtype`, written in place (each B scaled in float32, then rounded once)."""
+    rank = parts[-1].bounds[1]
+    features_in = part_features(config, FUSED_PARTS[fused][0])[0]
+    features_out = sum(part_features(config, part)[1] for part in FUSED_PARTS[fused])
+    a = torch.empty(rank, features_in, dtype=dtype)
+    b = torch.zeros(rank, features_out, dtype=dtype)
+    for part in parts:
+        r0, r1, c0, c1 = part.bounds
+        a[r0:r1].copy_(tensors[part.a_key])
+        b[r0:r1, c0:c1].copy_(tensors[part.b_key].float().t() * part.scaling)
+    return LoRAPair(a, b, tuple(part.bounds for part in parts))

@@ -22,15 +22,25 @@ class LoRARequest(BaseModel):
     path: str | None = None
 
 
-def cache_root(name: str, weights: bytes) -> int:
-    """A 128-bit root for the adapter's prompts: its name and the SHA-256 of its weights file's bytes."""
-    digest = hashlib.blake2b(name.encode(), digest_size=16)
-    digest.update(hashlib.sha256(weights).digest())
-    return int.from_bytes(digest.digest(), "little")
+def weights_digest(weights_file: Path) -> bytes:
+    """The SHA-256 of the weights file's bytes (read in chunks; hashing releases the GIL, so a loader hashes on one
+    thread while it reads the tensors on another)."""
+    digest = hashlib.sha256()
+    with weights_file.open("rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.digest()
+
+
+def cache_root(name: str, digest: bytes) -> int:
+    """A 128-bit root for the adapter's prompts: its name and its weights' `weights_digest`."""
+    root = hashlib.blake2b(name.encode(), digest_size=16)
+    root.update(digest)
+    return int.from_bytes(root.digest(), "little")
 
 
 def cache_root_of(name: str, adapter_dir: str | Path) -> int:
-    return cache_root(name, (Path(adapter_dir) / WEIGHTS_FILE).read_bytes())
+    return cache_root(name, weights_digest(Path(adapter_dir) / WEIGHTS_FILE))
 
 
 def adapters_under(root: str | None) -> dict[str, Path]:

@@ -17,9 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.lora.adapter import FUSED_PARTS, LoRAAdapter
-from kvloom.kernels.cpu_lora import lora_add_, lora_extension
-
-NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # the C++ op's; other dtypes and devices use torch's GEMMs
+from kvloom.kernels.cpu_lora import lora_add_
 LINEAR_INDEX = {linear: index for index, linear in enumerate(FUSED_PARTS)}  # a layer's fused linears in table order
 
 
@@ -56,9 +54,12 @@ class LoRAStep:
         return LoRAStep(self.kept, self.kept)
 
     @functools.cached_property
-    def native_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The segments as the C++ op reads them: their adapters' weights tables stacked, and their rows."""
-        tables = torch.stack([segment.adapter.weights_table for segment in self.segments])
+    def op_tables(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The segments as the C++ op reads them: their adapters' tables stacked, and their rows; None where the
+        adapters were not laid out for it (another device or dtype: torch's GEMMs)."""
+        if any(segment.adapter.table is None for segment in self.segments):
+            return None
+        tables = torch.stack([segment.adapter.table for segment in self.segments])
         rows = torch.tensor([(segment.start, segment.end) for segment in self.segments], dtype=torch.int64)
         return tables, rows
 
@@ -66,8 +67,8 @@ class LoRAStep:
         """y += the LoRA delta of `linear` for x's rows, which are the step's rows from `first_row` on."""
         if not self.segments:
             return
-        if x.is_cpu and x.dtype in NATIVE_DTYPES and lora_extension() is not None:
-            tables, rows = self.native_tables
+        if (op_tables := self.op_tables) is not None:
+            tables, rows = op_tables
             lora_add_(y, x, tables, rows, layer * len(FUSED_PARTS) + LINEAR_INDEX[linear], first_row)
             return
         last_row = first_row + x.shape[0]

@@ -12,7 +12,7 @@ import torch
 
 from kvloom.engine.config import LoRAConfig
 from kvloom.engine.errors import AdapterNotFoundError, ConfigError, InvalidRequestError
-from kvloom.engine.lora.adapter import AdapterRef, LoRAAdapter, load_adapter
+from kvloom.engine.lora.adapter import AdapterRef, LoRAAdapter, inspect_adapter, load_adapter
 from kvloom.engine.lora.identity import adapter_under, adapters_under
 from kvloom.engine.model.model_config import ModelConfig
 
@@ -20,17 +20,19 @@ from kvloom.engine.model.model_config import ModelConfig
 class LoRARegistry:
     """Thread-safe: requests are built (and adapters resolved) off the engine's thread."""
 
-    def __init__(self, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: LoRAConfig, model_config: ModelConfig, dtype: torch.dtype,
+                 for_cpu_op: bool = False) -> None:
         self.config = config
         self.model_config = model_config
         self.dtype = dtype
+        self.for_cpu_op = for_cpu_op  # adapters laid out for the C++ op as they are read (engine/lora/adapter.py)
         self.paths: dict[str, Path] = {}  # registered names (config and load); the dynamic directory adds more
         self.host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # by name, least recently used first
         self.num_loads = 0  # reads from disk: first loads and reloads after eviction
         self._lock = threading.Lock()
-        for name, path in config.adapters.items():  # checked now, loaded when a request needs them
+        for name, path in config.adapters.items():  # checked now, read when a request needs them
             try:
-                load_adapter(name, path, model_config, config.max_lora_rank, dtype)
+                inspect_adapter(Path(path), model_config, config.max_lora_rank)
             except InvalidRequestError as exc:
                 raise ConfigError(f"lora.adapters.{name}", str(exc)) from None
             self.paths[name] = Path(path)
@@ -88,7 +90,7 @@ class LoRARegistry:
 
     def _read(self, name: str, path: Path) -> LoRAAdapter:
         """Load from disk into the host LRU (the lock held)."""
-        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype)
+        adapter = load_adapter(name, path, self.model_config, self.config.max_lora_rank, self.dtype, self.for_cpu_op)
         self.num_loads += 1
         self.host[name] = adapter
         while len(self.host) > self.config.max_cpu_loras:
