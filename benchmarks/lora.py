@@ -111,6 +111,13 @@ def cold_load(model: str, adapters: dict[str, str], dtype: str) -> list[dict]:
     return rows
 
 
+def metrics_only(runs: dict) -> dict:
+    """A repeat round's runs without their per-request and per-step records (the first round keeps them)."""
+    kept = ("spec", "status", "metrics", "elapsed_s")
+    return {mix: {**run, "results": [{k: result[k] for k in kept if k in result} for result in run["results"]]}
+            for mix, run in runs.items()}
+
+
 def rounds(doc: dict) -> list[dict]:
     """Each round's runs by mix (`--repeats`: the first is `runs`, the others `repeats`)."""
     return [doc["runs"], *doc.get("repeats", [])]
@@ -262,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         done.append(runs)
     doc = {"command": command, "environment": environment(settings), "dtype": dtype,
            "num_requests": len(workload.requests),
-           "mixes": [asdict(m) for m in mixes], "runs": done[0], "repeats": done[1:],
+           "mixes": [asdict(m) for m in mixes], "runs": done[0], "repeats": [metrics_only(runs) for runs in done[1:]],
            "cold": in_fresh_process(cold_load, args.model, {n: adapters[n] for n in cold}, dtype),
            "wall_s": time.monotonic() - started,
            "vllm_settings": " ".join(f"{k}={v}" for k, v in vllm_env(settings).items()) if with_vllm else None}
