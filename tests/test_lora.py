@@ -6,6 +6,7 @@ import itertools
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -287,6 +288,26 @@ def test_bad_adapters_are_refused_by_name_and_field(tiny_model_dir, adapters, tm
     with pytest.raises(ConfigError, match="lora.adapters.wide"):
         LLMEngine(dtype="float32", model=str(tiny_model_dir), lora={"adapters": {"wide": adapters["mlp-r16"]},
                                                                      "max_lora_rank": 8})
+
+
+def test_an_adapter_replaced_between_its_check_and_its_read_is_a_400_not_a_crash(tiny_model_dir, adapters,
+                                                                                 monkeypatch):
+    """An adapter is checked from its header, then read: a file swapped in between (here: another adapter's
+    tensors read in its place) is refused by name, and the engine goes on serving."""
+    import kvloom.engine.lora.adapter as adapter_module
+
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, lora={"max_lora_rank": 16})
+    read = adapter_module.load_file
+    monkeypatch.setattr(adapter_module, "load_file", lambda path: read(Path(adapters["mlp-r16"]) / path.name))
+    with pytest.raises(InvalidRequestError, match="changed while it was read") as swapped:
+        engine.adapters.load("swapped", adapters["qv-r4"])
+    assert swapped.value.field == "lora_path"
+    monkeypatch.setattr(adapter_module, "load_file", read)
+    engine.adapters.load("swapped", adapters["qv-r4"])
+    request = engine.add_request("after", [5, 6, 7], GREEDY, lora="swapped")
+    while engine.has_unfinished():
+        engine.step()
+    assert request.is_finished and len(request.output_token_ids) == GREEDY.max_tokens
 
 
 @pytest.mark.parametrize("knobs, refusal", [

@@ -133,7 +133,11 @@ def load_adapter(name: str, path: str | Path, config: ModelConfig, max_rank: int
             raise InvalidRequestError("lora_path", f"cannot read {path / WEIGHTS_FILE}: {exc}") from None
         layers: list[dict[str, LoRAPair]] = [{} for _ in range(config.num_hidden_layers)]
         for (layer, fused), parts in layouts.items():
-            pair = _fuse(config, fused, parts, tensors, dtype)
+            try:
+                pair = _fuse(config, fused, parts, tensors, dtype)
+            except (KeyError, RuntimeError) as exc:  # the file, checked from its header a moment ago, was replaced
+                raise InvalidRequestError("lora_path", f"{path / WEIGHTS_FILE} changed while it was read: "
+                                                       f"{exc}") from None
             layers[layer][fused] = LoRAPair(pair.a, pack_expand(pair.b, pair.parts), pair.parts) if for_cpu_op else pair
         table = None
         if for_cpu_op:
