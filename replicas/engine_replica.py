@@ -25,6 +25,7 @@ import ray
 from pydantic import ValidationError
 from ray import serve
 
+from kvloom.replicas.off_loop_preparation import OffLoopPreparation
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
@@ -101,6 +102,7 @@ class EngineReplica:
                     self.threads, self.cpus, "fixed by torch_threads" if torch_threads else "alone on its node so far")
         self.node_id = ray.get_runtime_context().get_node_id()
         self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
+        self.preparing = OffLoopPreparation()  # requests naming an adapter are made off this loop (it may read disk)
         self._stats_task = None
         self.router_view = RouterView(replicas_on_node=1, queued_per_replica=0.0)  # as the router last said
         if router_name:
@@ -187,7 +189,10 @@ class EngineReplica:
         continues a stream whose replica died."""
         try:
             message = SubmitRequest.model_validate(message)
-            req = self.make_request(message)
+            if message.lora is None:
+                req = self.make_request(message)
+            elif (req := await self.preparing.prepare(message.request_id, lambda: self.make_request(message))) is None:
+                return SubmitReply(self.replica_id)  # the router gave up on it while its adapter was read
             go_on = message.continuation
             start = (lambda engine: engine.add_continued(req, go_on.output_token_ids, go_on.emitted_chars)) \
                 if go_on else None
@@ -243,7 +248,9 @@ class EngineReplica:
         return self.channels[channel]
 
     async def abort(self, request_id: str, target_replica: str | None = None) -> None:
-        """The router gave up on a request it submitted: its channel aborts it (if it still runs)."""
+        """The router gave up on a request it submitted: its channel aborts it (if it still runs), or it is dropped
+        once made (if its adapter is being read)."""
+        self.preparing.abort(request_id)
         for batches in self.channels.values():
             batches.forget(request_id)
 
