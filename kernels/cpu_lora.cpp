@@ -216,7 +216,9 @@ void with_rows(int64_t m, Item item) {
 
 // A linear's row of an adapter's weights table (kernels/cpu_lora.py, `weights_table`): where its A and B are and
 // what they hold; rank 0: the adapter does not patch this linear
-enum Column : int64_t { A_DATA, B_DATA, RANK, IN, ELEMENT_SIZE, B_ELEMENTS, NUM_PARTS, PARTS, WIDTH = PARTS + 12 };
+constexpr int64_t MAX_PARTS = 3;  // a fused linear's parts (q|k|v), each (r0, r1, c0, c1)
+enum Column : int64_t { A_DATA, B_DATA, RANK, IN, ELEMENT_SIZE, B_ELEMENTS, NUM_PARTS, PARTS,
+                        WIDTH = PARTS + 4 * MAX_PARTS };
 
 // B's elements as the op reads them: [R, out] as given, or packed (pack_expand) for the bfloat16 pairs path
 int64_t expand_elements(bool packed, int64_t rank, int64_t out, const int64_t* row) {
@@ -233,7 +235,7 @@ int64_t expand_elements(bool packed, int64_t rank, int64_t out, const int64_t* r
 // its weights
 void check_row(const int64_t* row, const at::Tensor& x, const at::Tensor& y, bool packed, int64_t segment) {
   bool fits = row[IN] == x.size(1) && row[ELEMENT_SIZE] == x.element_size() && row[NUM_PARTS] >= 1 &&
-              row[NUM_PARTS] <= 3 && row[A_DATA] != 0 && row[B_DATA] != 0;
+              row[NUM_PARTS] <= MAX_PARTS && row[A_DATA] != 0 && row[B_DATA] != 0;
   for (int64_t p = 0; fits && p < row[NUM_PARTS]; ++p) {
     const int64_t* part = row + PARTS + 4 * p;
     fits = 0 <= part[0] && part[0] < part[1] && part[1] <= row[RANK] && 0 <= part[2] && part[2] < part[3] &&

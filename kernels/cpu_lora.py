@@ -36,7 +36,7 @@ def pack_expand(b: torch.Tensor, parts: tuple[tuple[int, int, int, int], ...]) -
     return torch.cat(blocks)
 
 
-MAX_PARTS = 3  # a fused linear's parts (q|k|v)
+MAX_PARTS = 3  # a fused linear's parts (q|k|v): cpu_lora.cpp's MAX_PARTS
 
 
 def weights_table(pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[tuple[int, int, int, int], ...]] | None]
@@ -52,7 +52,7 @@ def weights_table(pairs: list[tuple[torch.Tensor, torch.Tensor, tuple[tuple[int,
             continue
         a, b, parts = pair
         if not (a.is_contiguous() and b.is_contiguous() and a.dtype == b.dtype and len(parts) <= MAX_PARTS):
-            raise ValueError("weights_table: A and B must be contiguous, of one dtype, with at most 3 parts")
+            raise ValueError(f"weights_table: A and B must be contiguous, of one dtype, with at most {MAX_PARTS} parts")
         flat = [bound for part in parts for bound in part]
         row[: 7 + len(flat)] = torch.tensor([a.data_ptr(), b.data_ptr(), a.shape[0], a.shape[1], a.element_size(),
                                              b.numel(), len(parts), *flat])
