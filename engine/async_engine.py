@@ -218,9 +218,10 @@ class AsyncLLMEngine:
                 self.close_stream(request.request_id)
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                     priority: int = 0, lora: LoRARequest | None = None) -> Request:
+                     priority: int = 0, lora: LoRARequest | None = None, cache_namespace: int | None = None) -> Request:
         """Validate and tokenize; any thread may call it (see LLMEngine.make_request)."""
-        return self.engine.make_request(request_id, prompt, params, priority, lora=lora)
+        return self.engine.make_request(request_id, prompt, params, priority, lora=lora,
+                                        cache_namespace=cache_namespace)
 
     def load_adapter(self, lora: LoRARequest) -> None:
         """Read and check a LoRA adapter now (thread-safe, as make_request); raises InvalidRequestError."""

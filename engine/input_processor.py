@@ -48,9 +48,10 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None,
-                     lora: str | LoRARequest | None = None) -> Request:
+                     lora: str | LoRARequest | None = None, cache_namespace: int | None = None) -> Request:
         """Validate and tokenize; a missing max_tokens becomes what max_model_len leaves after the prompt. `lora`:
-        the adapter (its name, or name and directory), read from disk now if it is not loaded."""
+        the adapter (its name, or name and directory), read from disk now if it is not loaded; `cache_namespace`:
+        whose prefix cache it shares (engine/cache_namespace.py; None: the engine's common one)."""
         params = params or SamplingParams()
         adapter = self.adapter(lora) if lora else None
         text = prompt if isinstance(prompt, str) else None
@@ -76,7 +77,7 @@ class InputProcessor:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
             logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
             grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
-            lora=adapter,
+            lora=adapter, cache_namespace=cache_namespace,
         )
 
     def adapter(self, lora: str | LoRARequest) -> AdapterRef:

@@ -127,10 +127,11 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                      priority: int = 0, arrival_time: float | None = None,
-                     lora: str | LoRARequest | None = None) -> Request:
+                     lora: str | LoRARequest | None = None, cache_namespace: int | None = None) -> Request:
         """Validate and tokenize (`InputProcessor`); touches no engine state but the adapters' (thread-safe), so
-        any thread may call it. `lora`: a LoRA adapter, by name (or name and directory)."""
-        return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, lora)
+        any thread may call it. `lora`: a LoRA adapter, by name (or name and directory); `cache_namespace`: whose
+        prefix cache it shares (engine/cache_namespace.py)."""
+        return self.inputs.make_request(request_id, prompt, params, priority, arrival_time, lora, cache_namespace)
 
     def load_adapter(self, lora: str | LoRARequest) -> None:
         """Read and check a LoRA adapter now, as a request naming it would; raises InvalidRequestError."""
@@ -138,8 +139,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     priority: int = 0, arrival_time: float | None = None,
-                    lora: str | LoRARequest | None = None) -> Request:
-        request = self.make_request(request_id, prompt, params, priority, arrival_time, lora)
+                    lora: str | LoRARequest | None = None, cache_namespace: int | None = None) -> Request:
+        request = self.make_request(request_id, prompt, params, priority, arrival_time, lora, cache_namespace)
         self.add_prepared(request)
         return request
 

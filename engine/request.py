@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvloom.engine.cache_namespace import chain_root
 from kvloom.engine.logits_processors import LogitsAdjuster
 from kvloom.engine.lora.adapter import AdapterRef
 from kvloom.engine.sampling import SamplingParams
@@ -43,6 +44,7 @@ class Request:
     fork_of: str | None = None  # n > 1: the sibling whose prompt KV this one shares (Scheduler._fork_source)
     draw_seed: tuple[int, int] = (0, 0)  # its draws' seed words (counter_draws); the engine sets them
     lora: AdapterRef | None = None  # the LoRA adapter its rows run with (None: the base model)
+    cache_namespace: int | None = None  # whose prefix cache it reads and fills: its tenant's (engine/cache_namespace.py)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens
@@ -83,8 +85,8 @@ class Request:
 
     @property
     def hash_root(self) -> int | None:
-        """The parent of its first block's hash: KV computed under an adapter is that adapter's alone."""
-        return self.lora.cache_root if self.lora is not None else None
+        """The parent of its first block's hash: its namespace's blocks only, and under an adapter that adapter's."""
+        return chain_root(self.cache_namespace, self.lora.cache_root if self.lora is not None else None)
 
     @property
     def is_finished(self) -> bool:

@@ -70,6 +70,17 @@ def rank_summary(report) -> dict:
             "kv_heads": list(shard.kv_heads), "weight_bytes": report.weight_bytes, "kv_bytes": report.kv_bytes}
 
 
+def request_for(engine, message: SubmitRequest | dict) -> Request:
+    """The engine's request for a router's message (a dict is validated as one first). Every role builds it here
+    (colocated, prefill, decode, a replica taking over a cut stream), so what the message carries reaches each:
+    the adapter, the tenant's prefix-cache namespace, the sibling whose KV it forks."""
+    message = SubmitRequest.model_validate(message)
+    req = engine.make_request(message.request_id, message.prompt_token_ids, message.sampling, message.engine_priority,
+                              lora=message.lora, cache_namespace=message.cache_namespace)
+    req.fork_of = message.fork_of
+    return req
+
+
 class EngineReplica:
     role = "colocated"
 
@@ -156,12 +167,7 @@ class EngineReplica:
         )
 
     def make_request(self, message: SubmitRequest | dict) -> Request:
-        """The engine's request for a router's message (a dict is validated as one first)."""
-        message = SubmitRequest.model_validate(message)
-        req = self.engine.make_request(message.request_id, message.prompt_token_ids, message.sampling,
-                                       message.engine_priority, message.lora)
-        req.fork_of = message.fork_of
-        return req
+        return request_for(self.engine, message)
 
     def refusal(self, exc: Exception) -> ReplicaError:
         """A pydantic error names its first field; an engine error carries the field it names."""

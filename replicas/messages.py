@@ -38,6 +38,7 @@ class SubmitRequest(BaseModel):
     fork_of: str | None = None  # a request whose prompt KV this one shares (a prompt's later choices)
     continuation: Continuation | None = None
     lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
+    cache_namespace: int | None = Field(None, ge=0, lt=2**128)  # its tenant's prefix-cache root (cache_namespace.py)
 
 
 @dataclass

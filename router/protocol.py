@@ -38,8 +38,42 @@ STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "gu
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in a raw body: where such strings can come from
 
 
+class JSONSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: a named schema the output must be valid against."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: text (no constraint), any JSON object, or JSON valid against a schema."""
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type json_schema, and only then")
+        return self
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
 def _constraint(field: str, value: Any) -> dict[str, Any]:
-    """A structured-output field's value as StructuredOutputs' arguments."""
+    """A structured-output field's (validated) value as StructuredOutputs' arguments."""
     if field == "guided_json":
         return {"json_schema": _schema(value)}
     if field == "guided_regex":
@@ -47,30 +81,21 @@ def _constraint(field: str, value: Any) -> dict[str, Any]:
     if field == "guided_choice":
         return {"choice": value}
     if field == "structured_outputs":
-        unknown = set(value) - {"json", "json_object", "regex", "choice"}
-        if unknown:
-            raise ValueError(f"{sorted(unknown)[0]!r} is not supported (json, json_object, regex and choice are)")
-        renamed = {"json_schema" if k == "json" else k: v for k, v in value.items() if v is not None}
-        if "json_schema" in renamed:
-            renamed["json_schema"] = _schema(renamed["json_schema"])
-        return renamed
-    kind = value.get("type")  # response_format, OpenAI's shape
-    if kind == "json_object":
+        given = {"json_schema" if k == "json_" else k: v for k, v in value if v is not None}
+        if "json_schema" in given:
+            given["json_schema"] = _schema(given["json_schema"])
+        return given
+    if value.type == "json_object":  # response_format
         return {"json_object": True}
-    if kind == "json_schema":
-        schema = (value.get("json_schema") or {}).get("schema")
-        if not isinstance(schema, dict):
-            raise ValueError("json_schema.schema must be a JSON schema object")
-        return {"json_schema": schema}
-    raise ValueError(f"type must be text, json_object or json_schema, got {kind!r}")
+    return {"json_schema": value.json_schema.schema_}
 
 
-def _schema(value: Any) -> dict[str, Any]:
+def _schema(value: dict | str) -> dict[str, Any]:
     """A JSON schema given as an object or as its JSON text."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise ValueError("a JSON schema must be an object")
@@ -126,9 +151,10 @@ class _Common(_Lenient):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys (strings)
     user: str | None = None
     priority: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a prefix cache within the tenant's
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
-    response_format: dict[str, Any] | None = None
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
@@ -152,7 +178,7 @@ class _Common(_Lenient):
     def output_constraint(self) -> StructuredOutputs | None:
         """The one structured-output constraint the request asks for, from whichever field carries it."""
         asked = {name: value for name in STRUCTURED_FIELDS if (value := getattr(self, name)) is not None}
-        if (self.response_format or {}).get("type") == "text":  # OpenAI's default: no constraint
+        if self.response_format is not None and self.response_format.type == "text":  # OpenAI's default
             del asked["response_format"]
         if len(asked) > 1:
             raise UnsupportedFieldError(sorted(asked)[1], f"give one of {', '.join(sorted(asked))}, not several")
@@ -220,24 +246,45 @@ class CompletionRequest(_Common):
         return [prompt]
 
 
+class TextPart(BaseModel):
+    """A chat message's content part: text only (images and audio are refused by type)."""
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a message's unknown field could be content: refused
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[dict[str, Any]]
+    content: str | list[TextPart]
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_of_a_known_type(cls, content: Any) -> Any:
+        """One error naming the part at fault, not one per branch of the union."""
+        if isinstance(content, str):
+            return content
+        if not isinstance(content, list):
+            raise ValueError("must be a string or a list of text parts")
+        parts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise ValueError(f"part {i}: content part type {kind!r} is not supported (text is)")
+            try:
+                parts.append(TextPart.model_validate(part))
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                raise ValueError(f"part {i}.{'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+        return parts
 
     def as_template_entry(self) -> dict:
         return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text":
-                raise UnsupportedFieldError("messages.content", f"content part type {part.get('type')!r} is not supported")
-            parts.append(part.get("text", ""))
-        return "".join(parts)
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Common):

@@ -10,7 +10,7 @@ quota buckets, VTC counters and queued requests carry over.
 """
 
 import json
-import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +23,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloom.engine.block_pool import prompt_block_hashes
+from kvloom.engine.cache_namespace import chain_root, namespace_root
 from kvloom.engine.config import LoRAConfig
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
@@ -50,9 +51,8 @@ from kvloom.router.reusable_port import bind_http_with_reusable_address
 from kvloom.router.responses import (Choice, LogprobsFormat, collect_response, joined, most_likely, start_choices,
                                      stream_response)
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
+from kvloom.router.unknown_fields import UnknownFieldLog
 from kvloom.router.vtc import VirtualCounters
-
-logger = logging.getLogger(__name__)
 
 
 class RouterSettings(BaseModel):
@@ -150,7 +150,7 @@ class Router:
         self.scaling_log = ScalingLog()
         self.created = int(time.time())
         self.draining = False
-        self.ignored_fields: set[str] = set()  # unknown request fields already logged
+        self.unknown_fields = UnknownFieldLog()
         self._apply(TenancySettings())
 
     # ---- reloadable settings ----------------------------------------------------------------
@@ -209,6 +209,18 @@ class Router:
         return [dict(asdict(r.stats), inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
                 for table in (self.table, self.decode_table) for r in table.live()]
 
+    async def held_state(self) -> dict[str, int]:
+        """The sizes of what the router keeps that clients' input could grow, and its resident memory (tests and
+        the fuzz benchmark check that hostile bodies grow none of them)."""
+        with open("/proc/self/statm") as statm:
+            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return {"rss_bytes": rss, "unknown_field_names": len(self.unknown_fields.names),
+                "unknown_field_log_lines": self.unknown_fields.lines,
+                "unknown_field_names_unlogged": self.unknown_fields.unlogged,
+                "awaiting_first_token": len(self.dispatcher.awaiting_first_token),
+                "channel_requests": len(self.channels.requests) if self.channels else 0,
+                "queued": len(self.admission), "tenants_in_ledger": len(self.tenants.ledger)}
+
     # ---- helpers ----------------------------------------------------------------------------
     async def _body(self, request: Request) -> bytes:
         """The raw body, refused with 413 as soon as it passes `max_request_bytes` (not read whole first)."""
@@ -252,9 +264,7 @@ class Router:
             raise APIError(400, "request body is nested too deeply", None, "invalid_json") from exc
         if parsed.model is not None:
             self.adapters.resolve(parsed.model)  # 404 for a model no one serves
-        for name in set(parsed.ignored_fields()) - self.ignored_fields:
-            self.ignored_fields.add(name)
-            logger.warning("accepting and ignoring the unknown request field %r (it changes no output; said once)", name)
+        self.unknown_fields.note(parsed.ignored_fields())
         return parsed
 
     def _chat_tokens(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
@@ -278,11 +288,13 @@ class Router:
         adapter = self.adapters.resolve(body.model, tenant) if body.model else None
         try:  # max_tokens None: as many as max_model_len leaves (the engine resolves it)
             sampling = body.sampling_params(max_tokens, logprobs, seed_offset=sibling)
+            namespace = namespace_root(tenant.cache_namespace, body.cache_salt)
             message = SubmitRequest(request_id=uuid.uuid4().hex, prompt_token_ids=token_ids, sampling=sampling,
-                                    lora=adapter.request if adapter else None)
+                                    lora=adapter.request if adapter else None, cache_namespace=namespace)
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
-        hashes = prompt_block_hashes(token_ids, self.settings.block_size, adapter.root if adapter else None)
+        hashes = prompt_block_hashes(token_ids, self.settings.block_size,
+                                     chain_root(namespace, adapter.root if adapter else None))
         return Job(message, hashes, tenant=tenant,
                    priority=priority, prompt_tokens=len(token_ids), max_tokens=max_tokens,
                    estimated_tokens=len(token_ids) + (max_tokens or self.table.max_model_len()))
@@ -328,12 +340,17 @@ class Router:
 
     @api.get("/v1/usage")
     async def usage(self, request: Request):
-        """Exact per-tenant usage since the router started (admin key)."""
+        """Exact per-tenant usage since the router started: every tenant's with an admin key, a tenant's own with
+        its key (no tenant learns another's name or traffic)."""
         try:
             self.tenants.authenticate_admin(request.headers.get("authorization"))
-        except APIError as exc:
-            return exc.response()
-        usage = self.tenants.usage()
+            usage = self.tenants.usage()
+        except APIError as not_admin:
+            try:
+                tenant = self._tenant(request)
+            except APIError:
+                return not_admin.response()
+            usage = {tenant.name: self.tenants.usage()[tenant.name]}
         return {"object": "list", "policy": self.tenancy.policy, "data": [
             {"tenant": name, **entry, "virtual_counter": self.counters.value(name),
              "queued": self.admission.queued_by_tenant().get(name, 0)} for name, entry in usage.items()]}

@@ -40,6 +40,8 @@ class TenantConfig(BaseModel):
     best_priority: int | None = Field(None, description="lowest priority value it may ask for; default: `priority`")
     quotas: Quotas = Field(default_factory=Quotas)
     lora_adapters: list[str] | None = Field(None, description="the LoRA adapters it may use (none listed: every one)")
+    prefix_cache_group: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$", description=(
+        "tenants naming one group share their prefix cache; by default a tenant's cached prefixes are its own"))
 
     @field_validator("api_keys")
     @classmethod
@@ -110,14 +112,14 @@ class Tenant:
     config: TenantConfig
     quota: QuotaState
     usage: Usage = field(default_factory=Usage)
-    open_priority: bool = False  # the anonymous tenant may ask for any priority
+    is_anonymous: bool = False  # an open server's one tenant: any priority, no cache namespace of its own
 
     @classmethod
     def anonymous(cls, now: float | None = None) -> "Tenant":
         config = TenantConfig.model_construct(name=ANONYMOUS, api_keys=[], weight=1.0, priority=0,
                                               best_priority=0, quotas=Quotas())
         return cls(config, QuotaState.create(config.quotas, time.monotonic() if now is None else now),
-                   open_priority=True)
+                   is_anonymous=True)
 
     @property
     def name(self) -> str:
@@ -127,11 +129,20 @@ class Tenant:
     def weight(self) -> float:
         return self.config.weight
 
+    @property
+    def cache_namespace(self) -> str | None:
+        """Whose prefix cache its requests read (engine/cache_namespace.py): its group's, else its own; the
+        anonymous tenant of an open server has none (everyone is that tenant)."""
+        if self.is_anonymous:
+            return None
+        group = self.config.prefix_cache_group
+        return f"group:{group}" if group is not None else f"tenant:{self.name}"
+
     def effective_priority(self, requested: int | None) -> int:
         """The request's priority class: its own if the tenant may ask for it, else the tenant's default."""
         if requested is None:
             return self.config.priority
-        if not self.open_priority and requested < self.config.best_priority:
+        if not self.is_anonymous and requested < self.config.best_priority:
             raise APIError(403, f"tenant '{self.name}' may not ask for priority {requested}; its best is "
                                 f"{self.config.best_priority} (lower runs first)", "priority", "priority_not_allowed")
         return requested

@@ -57,6 +57,19 @@ def test_report_files(tmp_path):
     assert (tmp_path / "fairness.png").stat().st_size > 1000
 
 
+def test_the_reading_follows_the_figures_it_reads():
+    """A gap over the bound is read as exceeding it (the report once said "stays within" next to 144 > 128)."""
+    ttft = {"sent": 3, "served": 3, "ttft_p50_s": 0.2, "ttft_p99_s": 0.3}
+    results = {"params": fairness.asdict(Params(phase_s=4)), "goals": {
+        "b_p99_ratio": {"fcfs": 9.0, "fair_no_preemption": 3.0, "fair": 1.2}, "vtc_bound": 128,
+        "weighted_ratio": 2.0}}
+    for gap, reading in ((144.0, "(144) exceeds 2 x the largest request (128)"),
+                         (40.0, "(40) stays within 2 x the largest request (128)")):
+        phase = {"ttft": {"A": ttft, "B": ttft}, "service": {"max_gap": gap}}
+        results["phases"] = {p.name: phase for p in fairness.phases()}
+        assert reading in "\n".join(fairness.notes(results))
+
+
 def test_kvloom_bench_multi_tenant_runs_this_benchmark(monkeypatch, tmp_path):
     from kvloom.cluster import cli
 

@@ -306,12 +306,13 @@ def test_json_object_and_vllm_constraint_fields(client):
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": [1, {}]}}, "response_format.json_schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_choice": []}, "guided_choice"),
     ({"guided_json": "{not json"}, "guided_json"),
-    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "root ::= x"}}, "structured_outputs.grammar"),
     ({"guided_choice": ["a"], "guided_regex": "a"}, "guided_regex"),
 ])
 def test_a_bad_constraint_is_a_400_naming_its_field(base, body, param):

@@ -28,6 +28,8 @@ TENANTS = [
     {"name": "impatient", "api_keys": ["sk-impatient"], "quotas": {"max_queue_wait_s": 0.5}},
     {"name": "vip", "api_keys": ["sk-vip"], "best_priority": -10},
     {"name": "batch", "api_keys": ["sk-batch"], "priority": 5},
+    {"name": "team-a", "api_keys": ["sk-team-a"], "prefix_cache_group": "team"},
+    {"name": "team-b", "api_keys": ["sk-team-b"], "prefix_cache_group": "team"},
 ]
 LONG = 900  # tokens: streams that outlast what a test does meanwhile on any host; it cancels them after
 # (their clients walk away), so a slow host does not decode them to the end
@@ -167,10 +169,35 @@ async def test_missing_or_bad_key_is_401(server, key):
     assert httpx.get(f"{base}/v1/models", headers=auth(key), timeout=30).status_code == 401
 
 
-def test_usage_endpoint_needs_an_admin_key(server):
+def test_usage_shows_a_tenant_only_itself_and_an_admin_everyone(server):
     base, _ = server
-    for key in (None, "sk-alice"):
+    for key in (None, "sk-wrong"):
         assert httpx.get(f"{base}/v1/usage", headers=auth(key), timeout=30).status_code == 401
+    own = httpx.get(f"{base}/v1/usage", headers=auth("sk-alice"), timeout=30).json()["data"]
+    assert [entry["tenant"] for entry in own] == ["alice"]
+    assert {"alice", "bob", "team-a"} <= set(usage(base))
+
+
+async def cached_tokens(base: str, key: str, prompt: list[int], **extra) -> int:
+    result = await complete(base, key, max_tokens=1, prompt=prompt, **extra)
+    assert result.status == 200, result.body
+    return result.usage["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_another_tenants_identical_prompt_hits_nothing_and_a_group_shares(server):
+    """A 500-token prompt: the tenant's own repeat is a full hit; another tenant's is cold; tenants of one
+    prefix_cache_group share; a cache_salt hits only with the same salt and tenant."""
+    base, _ = server
+    prompt = [3 + (i * 7919) % 509 for i in range(500)]
+    full = (500 - 1) // 16 * 16
+    assert await cached_tokens(base, "sk-alice", prompt) == 0
+    assert await cached_tokens(base, "sk-alice", prompt) == full
+    assert await cached_tokens(base, "sk-bob", prompt) == 0
+    assert await cached_tokens(base, "sk-team-a", prompt) == 0
+    assert await cached_tokens(base, "sk-team-b", prompt) == full  # one group: shared
+    assert await cached_tokens(base, "sk-alice", prompt, cache_salt="s1") == 0
+    assert await cached_tokens(base, "sk-bob", prompt, cache_salt="s1") == 0
+    assert await cached_tokens(base, "sk-alice", prompt, cache_salt="s1") == full
 
 
 async def test_requests_per_minute_429_on_the_fourth_request_with_retry_after(server):
