@@ -16,6 +16,7 @@ from kvloom.replicas.messages import SubmitRequest
 from kvloom.router.tenants import Tenant, TenantConfig, TenantRegistry
 
 BLOCK = 16
+KV = 4 << 20  # bytes: room for a few 500-token prompts of the tiny model
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 ALICE, BOB = namespace_root("tenant:alice"), namespace_root("tenant:bob")
 
@@ -28,7 +29,8 @@ def prompt() -> list[int]:
 
 @pytest.fixture
 def engine(tiny_model_dir) -> LLMEngine:
-    return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=BLOCK, max_model_len=1024)
+    return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=BLOCK, max_model_len=1024,
+                     kv_cache_memory_bytes=KV)
 
 
 ids = itertools.count()
@@ -109,7 +111,8 @@ def test_a_decode_replica_and_a_replica_continuing_a_stream_keep_the_tenants_nam
     from kvloom.engine.kv_handoff import export_kv, import_kv
 
     def engine() -> LLMEngine:
-        return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=BLOCK, max_model_len=1024)
+        return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=BLOCK, max_model_len=1024,
+                     kv_cache_memory_bytes=KV)
 
     prefill, decode, successor = engine(), engine(), engine()
     request = request_for(prefill, message("alice-p", prompt, ALICE, max_tokens=1))
