@@ -34,6 +34,7 @@ from kvloom.cluster.config import ClusterConfig
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 KEYS = {"A": "sk-bench-a", "B": "sk-bench-b"}
 W_IN, W_OUT = 1.0, 2.0
+TTFT_GOAL = 2.0  # B's p99 TTFT under A's flood, in multiples of B's alone (issue 69)
 
 
 @dataclass(frozen=True)
@@ -298,9 +299,9 @@ def write_report(results: dict, out_dir: Path) -> None:
         "",
         "| goal | target | measured | met |",
         "|---|---|---|---|",
-        f"| B's p99 TTFT under A's flood vs B alone | <= 1.5x | {g['b_p99_ratio']['fair']:.2f}x (FCFS "
+        f"| B's p99 TTFT under A's flood vs B alone | <= {TTFT_GOAL:g}x | {g['b_p99_ratio']['fair']:.2f}x (FCFS "
         f"{g['b_p99_ratio']['fcfs']:.2f}x, VTC without preemption {g['b_p99_ratio']['fair_no_preemption']:.2f}x) | "
-        f"{verdict(g['b_p99_ratio']['fair'] <= 1.5)} |",
+        f"{verdict(g['b_p99_ratio']['fair'] <= TTFT_GOAL)} |",
         f"| max weighted service gap while both are backlogged | <= {g['vtc_bound']:.0f} (2 x largest request) | "
         f"{ph['fair']['service']['max_gap']:.0f} (FCFS {ph['fcfs']['service']['max_gap']:.0f}) | "
         f"{verdict(ph['fair']['service']['max_gap'] <= g['vtc_bound'])} |",
@@ -426,20 +427,16 @@ def notes(results: dict) -> list[str]:
         f"{'stays within' if ph['fair']['service']['max_gap'] <= g['vtc_bound'] else 'exceeds'} 2 x the largest "
         f"request ({g['vtc_bound']:.0f}); under FCFS it is {ph['fcfs']['service']['max_gap']:.0f}.",
     ]
-    if ratio["fair"] > 1.5:
+    if ratio["fair"] > TTFT_GOAL:
         b, alone = ph["fair"]["ttft"]["B"], ph["alone"]["ttft"]["B"]
         out.append(
-            f"- The 1.5x TTFT goal is missed by a factor {ratio['fair'] / 1.5:.2f} at p99 (p50: "
+            f"- The {TTFT_GOAL:g}x TTFT goal is missed by a factor {ratio['fair'] / TTFT_GOAL:.2f} at p99 (p50: "
             f"{b['ttft_p50_s'] / alone['ttft_p50_s']:.2f}x). B is dispatched at once (first in VTC order, and within "
-            f"its share of the {p['max_num_seqs']} slots, so it may preempt one of A's running requests), but the "
-            "engine is never idle: B first waits out the step in progress, often the prefill of one of A's newly "
-            "admitted requests (A gets a slot whenever one frees), which takes about as long as B's own prefill; "
-            "then its own prefill step. The 1.5x target leaves "
-            f"{0.5 * alone['ttft_p99_s'] * 1000:.0f} ms over B's p99 alone, less than one prefill step (B's whole "
-            f"TTFT alone, p50 {alone['ttft_p50_s'] * 1000:.0f} ms, is mostly its prefill step). Ordering cannot "
-            "remove that wait; chunking prefills finer, or holding capacity back from the flood (a "
-            "max_concurrent_requests quota on A), would shorten it. B's p99 is the largest of few samples on a "
-            "shared host (load average in the table).")
+            f"its share of the {p['max_num_seqs']} slots, so it may preempt one of A's running requests), and A's "
+            "prompts yield (engine/prefill_yield.py: a few tokens a step, none in B's step), but B still waits out "
+            "the step in progress (A's decodes with a chunk of A's prompt), then its own prefill step, which alone is "
+            f"most of B's TTFT alone (p50 {alone['ttft_p50_s'] * 1000:.0f} ms). B's p99 is the largest of few "
+            "samples on a shared host (load average in the table).")
     if abs(g["weighted_ratio"] - 2) > 0.2:
         out.append(
             f"- The 2:1 ratio is off by {abs(g['weighted_ratio'] - 2) / 2:.0%}: over a {p['phase_s']:g} s phase only "

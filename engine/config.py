@@ -91,6 +91,9 @@ class EngineConfig(BaseModel):
     max_num_batched_tokens: int = Field(2048, ge=1)
     max_model_len: int | None = Field(None, ge=1, description="default: the model's context length")
     enable_chunked_prefill: bool = True
+    yielding_prefill_tokens: int = Field(16, ge=1, description=(
+        "prompt tokens a step computes of the requests the router marks as yielding (a tenant over its share), "
+        "none in a step computing another's prompt: engine/prefill_yield.py"))
     enable_prefix_caching: bool = True
     scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     batching: Literal["static", "dynamic", "continuous"] = "continuous"

@@ -44,6 +44,7 @@ class Request:
     fork_of: str | None = None  # n > 1: the sibling whose prompt KV this one shares (Scheduler._fork_source)
     draw_seed: tuple[int, int] = (0, 0)  # its draws' seed words (counter_draws); the engine sets them
     lora: AdapterRef | None = None  # the LoRA adapter its rows run with (None: the base model)
+    yields_prefill: bool = False  # its tenant is over its share: its prompt goes in small chunks (prefill_yield.py)
     cache_namespace: int | None = None  # whose prefix cache it reads and fills: its tenant's (engine/cache_namespace.py)
 
     status: RequestStatus = RequestStatus.WAITING

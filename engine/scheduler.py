@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from kvloom.engine.batching import make_batching
 from kvloom.engine.kv_cache_manager import KVCacheManager
 from kvloom.engine.lora.adapter_admission import AdapterAdmission
+from kvloom.engine.prefill_yield import PrefillYield
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.request_queue import RequestQueue, make_queue, priority_key
 
@@ -43,6 +44,7 @@ class SchedulerLimits:
     max_wait_s: float = 0.05
     max_loras: int | None = None  # distinct LoRA adapters among the running requests (None: no adapters served)
     slot_tenure_s: float = 10.0  # see engine/lora/adapter_admission.py
+    yielding_prefill_tokens: int = 16  # see engine/prefill_yield.py
 
 
 @dataclass
@@ -62,6 +64,8 @@ class Scheduler:
         self.batching = make_batching(limits.batching, limits.max_num_seqs, limits.bucket_width, limits.max_wait_s)
         self.counters = SchedulerCounters()
         self.adapters = AdapterAdmission(limits.max_loras, limits.slot_tenure_s)
+        # a prompt computed whole (no chunked prefill) cannot yield in chunks
+        self.prefill_yield = PrefillYield(limits.yielding_prefill_tokens if limits.enable_chunked_prefill else None)
 
     # ---- queue management -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -109,6 +113,10 @@ class Scheduler:
         """Priority policy: a waiting request outranking a running one may evict it."""
         while len(self.waiting) and self.running:
             head = self.waiting.peek()
+            if self.prefill_yield.yields(head):  # evicting for it would thrash: its prompt may wait a step anyway
+                head = next((r for r in self.waiting if not self.prefill_yield.yields(r)), None)
+                if head is None:
+                    return
             victim = max(self.running, key=self._victim_key)
             if self._victim_key(victim) <= priority_key(head):
                 return
@@ -137,7 +145,9 @@ class Scheduler:
 
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for index, request in enumerate(decoding + prefilling):
+        yielding = [r for r in prefilling if self.prefill_yield.yields(r)]  # last, after admissions
+        self.prefill_yield.start()
+        for index, request in enumerate(decoding + [r for r in prefilling if r not in yielding]):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             # drafts are optional: they get what the budget has left after one token for every later
@@ -145,24 +155,27 @@ class Scheduler:
             spare = budget - max(len(decoding) - index - 1, 0)
             del request.spec_token_ids[max(spare - 1, 0):]
             num_new = self._chunk(request.num_tokens_with_spec - request.num_computed_tokens, budget)
-            if num_new == 0:
-                continue
-            while not self.kv.allocate_slots(request, num_new):
-                if request.spec_token_ids:
-                    num_new -= len(request.spec_token_ids)
-                    request.spec_token_ids = []
-                    continue
-                victim = max(self.running, key=self._victim_key)
-                budget += planned.pop(victim.request_id, 0)
-                self._preempt(victim, out)
-                if victim is request:
-                    break
-            else:
-                planned[request.request_id] = num_new
-                budget -= num_new
+            budget = self._run(request, num_new, budget, planned, out)
+            if index >= len(decoding) and request.request_id in planned:
+                self.prefill_yield.spend(request, num_new)  # a prompt that does not yield: none for those that do
 
+        running_before = len(self.running)
         if len(out.preempted) == evicted_for_priority:  # no pool pressure among running requests
             budget = self._admit_waiting(budget, planned, out)
+        admitted = len(self.running) > running_before
+        for request in yielding:
+            if request.status != RequestStatus.RUNNING:
+                continue
+            num_new = self.prefill_yield.room(self._chunk(request.num_tokens - request.num_computed_tokens, budget))
+            if admitted:  # a step that admitted preempts no one: short of blocks, the prompt waits a step
+                if num_new == 0 or not self.kv.allocate_slots(request, num_new):
+                    continue
+                planned[request.request_id] = num_new
+                budget -= num_new
+            else:
+                budget = self._run(request, num_new, budget, planned, out)
+            if request.request_id in planned:
+                self.prefill_yield.spend(request, num_new)
 
         out.scheduled = [(r, planned[r.request_id]) for r in self.running if r.request_id in planned]
         if out.scheduled:
@@ -170,6 +183,24 @@ class Scheduler:
             self.counters.batch_slots += len(out.scheduled)
             self.counters.idle_slot_steps += self.batching.idle_slots()
         return out
+
+    def _run(self, request: Request, num_new: int, budget: int, planned: dict[str, int], out: SchedulerOutput) -> int:
+        """Plan `num_new` tokens of a running request, preempting others (or itself) while the pool is short;
+        returns the budget left."""
+        if num_new == 0:
+            return budget
+        while not self.kv.allocate_slots(request, num_new):
+            if request.spec_token_ids:
+                num_new -= len(request.spec_token_ids)
+                request.spec_token_ids = []
+                continue
+            victim = max(self.running, key=self._victim_key)
+            budget += planned.pop(victim.request_id, 0)
+            self._preempt(victim, out)
+            if victim is request:
+                return budget
+        planned[request.request_id] = num_new
+        return budget - num_new
 
     def _admit_waiting(self, budget: int, planned: dict[str, int], out: SchedulerOutput) -> int:
         """Admit in queue order among what the batching strategy allows; stop at the first misfit.
@@ -195,8 +226,13 @@ class Scheduler:
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = self._chunk(request.num_tokens - num_cached, budget)
+                if self.prefill_yield.yields(request):
+                    num_new = self.prefill_yield.room(num_new)
+                    if num_new == 0:
+                        continue  # it waits for a step with room for yielding prompts; those behind it need not
                 if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
                     break
+                self.prefill_yield.spend(request, num_new)
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:

@@ -78,6 +78,7 @@ def request_for(engine, message: SubmitRequest | dict) -> Request:
     req = engine.make_request(message.request_id, message.prompt_token_ids, message.sampling, message.engine_priority,
                               lora=message.lora, cache_namespace=message.cache_namespace)
     req.fork_of = message.fork_of
+    req.yields_prefill = message.yields_prefill
     return req
 
 

@@ -35,6 +35,7 @@ class SubmitRequest(BaseModel):
     prompt_token_ids: list[int]  # checked by the engine, whose errors name the HTTP request's `prompt`
     sampling: SamplingParams
     engine_priority: int = 0  # the engine's scheduling priority (lower runs first): the tenant's class, aged
+    yields_prefill: bool = False  # its tenant is over its share: its prompt goes in chunks (engine/prefill_yield.py)
     fork_of: str | None = None  # a request whose prompt KV this one shares (a prompt's later choices)
     continuation: Continuation | None = None
     lora: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)

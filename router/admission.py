@@ -131,6 +131,7 @@ class AdmissionQueue:
                 return
             ticket.boosted = (self.fair_share_preemption
                               and self.table.is_below_share(replica, ticket.tenant, ticket.weight))
+            ticket.yields_prefill = self.table.crowds(replica, ticket.tenant, ticket.weight)
             self._unqueue(ticket)
             self.table.take(replica, ticket.prompt_hashes, credit_class, ticket.tenant, ticket.weight, ticket.adapter)
             self.counters.started(ticket.tenant)

@@ -131,6 +131,7 @@ class Dispatcher:
             continuation = Continuation(output_token_ids=list(delivered.token_ids), emitted_chars=delivered.chars) \
                 if delivered.token_ids else None
             message = job.message.model_copy(update={"engine_priority": ticket.engine_priority,
+                                                     "yields_prefill": ticket.yields_prefill,
                                                      "continuation": continuation})
             response = self.streams.open(message, replica.replica_id)
             try:

@@ -28,6 +28,8 @@ from kvloom.replicas.messages import ReplicaStats
 PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
 RETIRED_MEMORY_S = 600.0  # how long a retired replica's stats pushes are ignored (it ends long before)
 SENT_MEMORY_S = 10.0  # how long an adapter sent to a replica counts as held there without its report saying so
+ACTIVE_TENANT_S = 10.0  # a tenant in flight on a replica this recently shares its slots (a steady client between
+# two of its requests is still there)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class ReplicaState:
     classes: Counter = field(default_factory=Counter)  # in-flight requests per priority class
     tenants: Counter = field(default_factory=Counter)  # in-flight requests per tenant
     weights: dict[str, float] = field(default_factory=dict)  # of the tenants in flight
+    recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (weight, last time in flight)
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it reported holding
     adapters_sent: dict[str, float] = field(default_factory=dict)  # adapters sent there and not reported yet: when
 
@@ -62,6 +65,15 @@ class ReplicaState:
         within = self.tenants[tenant] + 1 <= unit * weight
         someone_over = any(n > unit * weights[t] for t, n in self.tenants.items() if t != tenant)
         return within and someone_over and self.has_headroom(slack)
+
+    def crowds(self, slack: int, tenant: str, weight: float, now: float) -> bool:
+        """One more request puts `tenant` over its weighted share of the slots among the tenants active here lately:
+        its prompts yield to theirs (engine/prefill_yield.py). A tenant alone on the replica never does."""
+        active = {t: w for t, (w, seen) in self.recent.items() if self.tenants[t] or now - seen < ACTIVE_TENANT_S}
+        active[tenant] = weight
+        if len(active) < 2:
+            return False
+        return self.tenants[tenant] + 1 > self.capacity(slack) / sum(active.values()) * weight
 
     def holds_adapter(self, name: str) -> bool:
         """It reported the adapter, or got a request for it lately (a report may be older than that request)."""
@@ -149,6 +161,9 @@ class ReplicaTable:
     def is_below_share(self, replica: ReplicaState, tenant: str, weight: float) -> bool:
         return replica.below_share(self.slack, tenant, weight)
 
+    def crowds(self, replica: ReplicaState, tenant: str, weight: float) -> bool:
+        return replica.crowds(self.slack, tenant, weight, time.monotonic())
+
     def take(self, replica: ReplicaState, prompt_hashes: list[int], priority: int = 0, tenant: str = "default",
              weight: float = 1.0, adapter: str | None = None) -> None:
         replica.inflight += 1
@@ -156,6 +171,7 @@ class ReplicaTable:
         replica.classes[priority] += 1
         replica.tenants[tenant] += 1
         replica.weights[tenant] = weight
+        replica.recent[tenant] = (weight, time.monotonic())
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
         if adapter is not None:
             replica.adapters_sent[adapter] = time.monotonic()  # and this adapter
@@ -166,5 +182,7 @@ class ReplicaTable:
             counter[key] -= 1
             if counter[key] <= 0:
                 del counter[key]
+        if tenant in replica.recent:
+            replica.recent[tenant] = (replica.recent[tenant][0], time.monotonic())
         if tenant not in replica.tenants:
             replica.weights.pop(tenant, None)

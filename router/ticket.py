@@ -24,6 +24,7 @@ class Ticket:
     credit_class: int = 0  # the class whose replica credit it holds while dispatched
     adapter: str | None = None  # its LoRA adapter: replicas holding it are preferred
     boosted: bool = False  # its tenant is within its share of the replica's slots while another is over
+    yields_prefill: bool = False  # its tenant is over its share among those active there (engine/prefill_yield.py)
 
     @property
     def engine_priority(self) -> int:

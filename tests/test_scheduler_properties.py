@@ -77,6 +77,7 @@ class ReqSpec:
     prompt: list[int]
     max_tokens: int
     priority: int = 0
+    yields_prefill: bool = False  # the router marked its tenant as over its share (engine/prefill_yield.py)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Scenario:
     tied_arrivals: bool = False  # arrival_time = arrival step, so requests of one step tie
     num_speculative_tokens: int = 0  # 0: no speculation
     draft_seed: int = 0
+    yielding_prefill_tokens: int = 16
 
 
 class FakeDraftProposer(Proposer):
@@ -109,7 +111,7 @@ class FakeDraftProposer(Proposer):
 
 
 @st.composite
-def scenarios(draw, policy=None, with_aborts=True, max_requests=12):
+def scenarios(draw, policy=None, with_aborts=True, max_requests=12, yielding=True):
     block_size = draw(st.sampled_from([1, 2, 4, 16]))
     chunked = draw(st.booleans())
     prefix_caching = draw(st.booleans())
@@ -128,7 +130,7 @@ def scenarios(draw, policy=None, with_aborts=True, max_requests=12):
         prompt = head + [rng.randrange(VOCAB) for _ in range(length - len(head))]
         max_tokens = draw(st.integers(1, 60))
         priority = draw(st.integers(0, 3)) if policy == "priority" else 0
-        specs.append(ReqSpec(step, prompt, max_tokens, priority))
+        specs.append(ReqSpec(step, prompt, max_tokens, priority, yielding and draw(st.booleans())))
 
     longest = max(len(s.prompt) + s.max_tokens for s in specs)
     need = max(ceil_div(len(s.prompt) + s.max_tokens, block_size) for s in specs)
@@ -144,7 +146,8 @@ def scenarios(draw, policy=None, with_aborts=True, max_requests=12):
     tied = draw(st.booleans())
     num_speculative_tokens = draw(st.sampled_from([0, 0, 1, 3, 6]))
     return Scenario(block_size, num_blocks, max_num_seqs, budget, chunked, prefix_caching, policy,
-                    specs, aborts, tied, num_speculative_tokens, draw(st.integers(0, 2**32 - 1)))
+                    specs, aborts, tied, num_speculative_tokens, draw(st.integers(0, 2**32 - 1)),
+                    draw(st.integers(1, 32)))
 
 
 # ---- the simulator ---------------------------------------------------------------------------------
@@ -155,7 +158,8 @@ class Simulation:
         self.sc = sc
         self.kv = KVCacheManager(sc.num_blocks, sc.block_size, sc.prefix_caching)
         self.sched = Scheduler(
-            SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, sc.chunked, sc.policy), self.kv
+            SchedulerLimits(sc.max_num_seqs, sc.max_num_batched_tokens, sc.chunked, sc.policy,
+                            yielding_prefill_tokens=sc.yielding_prefill_tokens), self.kv
         )
         bs = sc.block_size
         self.slots: list[list[int | None]] = [[None] * bs for _ in range(sc.num_blocks)]
@@ -210,7 +214,8 @@ class Simulation:
     def bound(self) -> int:
         specs = self.sc.requests
         work = sum(len(s.prompt) + s.max_tokens for s in specs)
-        return specs[-1].arrival_step + 4 * work + 100
+        # a yielding prompt waits out every step computing another's, and whoever it preempts recomputes later
+        return specs[-1].arrival_step + (16 if any(s.yields_prefill for s in specs) else 4) * work + 100
 
     def run(self) -> "Simulation":
         sc, sched = self.sc, self.sched
@@ -228,7 +233,8 @@ class Simulation:
             for i in by_step.get(self.step, []):
                 spec = sc.requests[i]
                 r = Request(f"r{i}", list(spec.prompt), SamplingParams(max_tokens=spec.max_tokens),
-                            priority=spec.priority, arrival_time=self.arrival_time(i))
+                            priority=spec.priority, arrival_time=self.arrival_time(i),
+                            yields_prefill=spec.yields_prefill)
                 self.requests.append(r)
                 self.prefix_hash[r.request_id] = []
                 sched.add_request(r)
@@ -297,13 +303,15 @@ class Simulation:
         assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
         assert all(r.block_ids == [] and r.num_computed_tokens == 0 for r in waiting)
         key = self.queue_key
-        if admitted and waiting:
-            assert self.before(max(map(key, admitted)), min(map(key, waiting))), "admitted out of order"
+        # a yielding request waiting for a step with room for its prompt may be passed (engine/prefill_yield.py)
+        in_order = [r for r in waiting if not r.yields_prefill]
+        if admitted and in_order:
+            assert self.before(max(map(key, admitted)), min(map(key, in_order))), "admitted out of order"
         if sc.policy == "fcfs":
-            arrivals = [r.arrival_time for r in sched.running]
+            arrivals = [r.arrival_time for r in sched.running if not r.yields_prefill]
             assert arrivals == sorted(arrivals)
-            if sched.running and waiting:
-                assert self.before(max(arrivals), min(r.arrival_time for r in waiting))
+            if arrivals and in_order:
+                assert self.before(max(arrivals), min(r.arrival_time for r in in_order))
 
         # ---- (d) block accounting
         holders: dict[int, int] = {}
@@ -376,7 +384,11 @@ class Simulation:
         sched, sc = self.sched, self.sc
         if sc.policy != "priority" or not sched.running or not len(sched.waiting):
             return None
-        head = min(sched.waiting, key=priority_key)
+        # no eviction for a yielding prompt, which may wait a step anyway (engine/prefill_yield.py)
+        outranking = [r for r in sched.waiting if not (r.yields_prefill and sc.chunked)]
+        if not outranking:
+            return None
+        head = min(outranking, key=priority_key)
         worst = max(sched.running, key=priority_key)
         if priority_key(worst) <= priority_key(head):
             return None
@@ -425,10 +437,12 @@ class Simulation:
         assert pool.peak_num_used == self.max_used_seen <= pool.num_blocks
         assert kv.stats.hits <= kv.stats.queries and kv.stats.hits % sc.block_size == 0
         assert kv.stats.hits == self.total_prefix_hit_tokens
-        # (e) fcfs: first admissions and first tokens in arrival order
+        # (e) fcfs: first admissions and first tokens in arrival order (a yielding prompt may be passed)
         if sc.policy == "fcfs":
-            assert self.admission_order == sorted(self.admission_order, key=lambda i: int(i[1:]))
-            got = sorted(self.first_token, key=lambda i: int(i[1:]))
+            in_order = [i for i in self.admission_order if not sc.requests[int(i[1:])].yields_prefill]
+            assert in_order == sorted(in_order, key=lambda i: int(i[1:]))
+            got = sorted((i for i in self.first_token if not sc.requests[int(i[1:])].yields_prefill),
+                         key=lambda i: int(i[1:]))
             times = [self.first_token[i] for i in got]
             assert times == sorted(times), "first tokens out of arrival order"
 
@@ -465,7 +479,7 @@ def test_random_workloads_keep_every_invariant(sc):
 
 
 @settings(max_examples=150, **COMMON)
-@given(scenarios(policy="fcfs", with_aborts=False))
+@given(scenarios(policy="fcfs", with_aborts=False, yielding=False))
 def test_fcfs_without_aborts_serves_in_arrival_order(sc):
     sim = simulate(sc)
     record_events(sim)
