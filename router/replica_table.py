@@ -68,12 +68,13 @@ class ReplicaState:
 
     def crowds(self, slack: int, tenant: str, weight: float, now: float) -> bool:
         """One more request puts `tenant` over its weighted share of the slots among the tenants active here lately:
-        its prompts yield to theirs (engine/prefill_yield.py). A tenant alone on the replica never does."""
+        its prompts yield to theirs (engine/prefill_yield.py). A tenant alone on the replica never does, nor a
+        tenant's first request there (with more tenants than slots a share is under one slot)."""
         active = {t: w for t, (w, seen) in self.recent.items() if self.tenants[t] or now - seen < ACTIVE_TENANT_S}
         active[tenant] = weight
         if len(active) < 2:
             return False
-        return self.tenants[tenant] + 1 > self.capacity(slack) / sum(active.values()) * weight
+        return self.tenants[tenant] + 1 > max(1.0, self.capacity(slack) / sum(active.values()) * weight)
 
     def holds_adapter(self, name: str) -> bool:
         """It reported the adapter, or got a request for it lately (a report may be older than that request)."""

@@ -93,3 +93,7 @@ def test_a_tenant_over_its_share_among_those_active_lately_crowds_and_one_alone_
     assert state.crowds(0, "a", 3.0, now)  # weight 3 to b's 1: its share is 3 slots, and it asks for a 5th
     state.tenants["a"] = 1
     assert not state.crowds(0, "a", 1.0, now)  # its second slot: within its share of 2
+    for name in "cdefgh":
+        state.recent[name] = (1.0, now)
+    state.tenants["a"] = 0
+    assert not state.crowds(0, "a", 1.0, now)  # eight tenants, four slots: a first request still goes unhindered
