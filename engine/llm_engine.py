@@ -107,8 +107,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerLimits(
             config.max_num_seqs, config.max_num_batched_tokens, config.enable_chunked_prefill,
             config.scheduling_policy, config.batching, config.bucket_width, config.max_wait_ms / 1000,
-            *((config.lora.max_loras, config.lora.slot_tenure_s) if config.lora else (None, 10.0)),
-            config.yielding_prefill_tokens), self.kv)
+            *((config.lora.max_loras, config.lora.slot_tenure_s) if config.lora else ()),
+            yielding_prefill_tokens=config.yielding_prefill_tokens), self.kv)
         self.step_seconds = 0.0  # see EngineStats.step_seconds
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}

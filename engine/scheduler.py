@@ -146,8 +146,9 @@ class Scheduler:
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         yielding = [r for r in prefilling if self.prefill_yield.yields(r)]  # last, after admissions
+        ordinary = [r for r in prefilling if not self.prefill_yield.yields(r)]
         self.prefill_yield.start()
-        for index, request in enumerate(decoding + [r for r in prefilling if r not in yielding]):
+        for index, request in enumerate(decoding + ordinary):
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             # drafts are optional: they get what the budget has left after one token for every later
@@ -167,13 +168,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue
             num_new = self.prefill_yield.room(self._chunk(request.num_tokens - request.num_computed_tokens, budget))
-            if admitted:  # a step that admitted preempts no one: short of blocks, the prompt waits a step
-                if num_new == 0 or not self.kv.allocate_slots(request, num_new):
-                    continue
-                planned[request.request_id] = num_new
-                budget -= num_new
-            else:
-                budget = self._run(request, num_new, budget, planned, out)
+            # a step that admitted preempts no one: short of blocks, the prompt waits a step
+            budget = self._run(request, num_new, budget, planned, out, preempt=not admitted)
             if request.request_id in planned:
                 self.prefill_yield.spend(request, num_new)
 
@@ -184,12 +180,15 @@ class Scheduler:
             self.counters.idle_slot_steps += self.batching.idle_slots()
         return out
 
-    def _run(self, request: Request, num_new: int, budget: int, planned: dict[str, int], out: SchedulerOutput) -> int:
-        """Plan `num_new` tokens of a running request, preempting others (or itself) while the pool is short;
-        returns the budget left."""
+    def _run(self, request: Request, num_new: int, budget: int, planned: dict[str, int], out: SchedulerOutput,
+             preempt: bool = True) -> int:
+        """Plan `num_new` tokens of a running request, preempting others (or itself) while the pool is short, or
+        (`preempt` False) planning nothing then; returns the budget left."""
         if num_new == 0:
             return budget
         while not self.kv.allocate_slots(request, num_new):
+            if not preempt:
+                return budget
             if request.spec_token_ids:
                 num_new -= len(request.spec_token_ids)
                 request.spec_token_ids = []
