@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
             time.sleep(0.5)
     replicas(1)
     body = {"model": sys.argv[1], "prompt": "w5 w6", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    for _ in range(8):  # two run, six wait in the router: a backlog
+    for _ in range(24):  # two run, 22 wait in the router: a backlog that outlasts the second replica's start
         threading.Thread(target=lambda: httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body,
                                                    timeout=600), daemon=True).start()
     replicas(2)
