@@ -120,8 +120,9 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         prefill = replica_deployment(PrefillReplica, PREFILL_NAME, {"num_replicas": disagg.prefill_replicas},
                                      prefill_ranks)
         decode = replica_deployment(DecodeReplica, DECODE_NAME, {"num_replicas": disagg.decode_replicas}, decode_ranks)
-        return router.bind(prefill.bind({**engine, "tensor_parallel_size": prefill_ranks}, **replica_args), settings,
-                           decode.bind({**engine, "tensor_parallel_size": decode_ranks}, **replica_args))
+        handoff_args = {**replica_args, "transfer_timeout_s": disagg.transfer_timeout_s}
+        return router.bind(prefill.bind({**engine, "tensor_parallel_size": prefill_ranks}, **handoff_args), settings,
+                           decode.bind({**engine, "tensor_parallel_size": decode_ranks}, **handoff_args))
     replicas = replica_deployment(EngineReplica, REPLICA_NAME, scaling, config.engine.tensor_parallel_size)
     return router.bind(replicas.bind(engine, **replica_args), settings)
 

@@ -72,6 +72,11 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  started in {sum(r['startup'].values()):.1f} s: {phases}")
         for rank in r["ranks"]:
             print("  " + describe_rank(rank, r["ranks"]))
+        if handoffs := r.get("handoffs"):
+            received = handoffs["received"]
+            print(f"  hand-offs: {received:.0f} received ({handoffs['bytes'] / 2**20:.1f} MiB, "
+                  f"{handoffs['transfer_s'] / max(received, 1) * 1000:.1f} ms each), "
+                  f"{handoffs['computed_here']:.0f} computed here instead")
     events = router.scaling_events.remote().result()[-STATUS_EVENTS:]
     if events:
         print("replicas over time (the router's load signals when each joined or left):")

@@ -53,6 +53,9 @@ class DisaggregationConfig(Strict):
     prefill_replicas: int = Field(1, ge=1)
     decode_replicas: int = Field(1, ge=1)
     transport: Literal["torch_distributed", "object_store"] = "torch_distributed"
+    transfer_timeout_s: float = Field(30, gt=0, description="torch_distributed: how long one transfer may take "
+                                                           "once both sides are ready; past it the pair's channel "
+                                                           "starts over and the decode replica computes the prompt")
     # each side may split its replicas differently (the hand-off carries every KV head, gathered from the
     # prefill replica's ranks and split among the decode replica's); default: engine.tensor_parallel_size
     prefill_tensor_parallel_size: int | None = Field(None, ge=1)

@@ -72,6 +72,11 @@ def export_kv(engine: LLMEngine, request_id: str) -> tuple[KVHeader, torch.Tenso
     return header, engine.runner.export_blocks(request.block_ids[: header.payload_shape()[2]])
 
 
+def export_parked(engine: LLMEngine, request_id: str) -> tuple[KVHeader, torch.Tensor] | None:
+    """`export_kv`, or None when the request is no longer parked (its hand-off was given up)."""
+    return export_kv(engine, request_id) if engine.handoffs.parked(request_id) is not None else None
+
+
 def reserve_kv(engine: LLMEngine, request: Request) -> bool:
     """Allocate blocks for a prompt's KV before receiving it; False while the pool or batch is full."""
     if len(engine.scheduler.running) + engine.handoffs.num_reserved >= engine.config.max_num_seqs:

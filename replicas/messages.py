@@ -144,6 +144,7 @@ class ReplicaStats:
     spec_decode: dict | None = None  # SpecDecodeStats as a dict, where the engine speculates
     cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
+    handoffs: dict[str, float] | None = None  # a decode replica's hand-offs: received (bytes, seconds), computed here
     startup: dict[str, float] = field(default_factory=dict)  # how long each part of its start took (seconds)
     lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters loaded (the router sends theirs here)
     healthy: bool = True

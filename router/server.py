@@ -136,7 +136,7 @@ class Router:
         self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         replicas_handle = self.replicas = DetachedHandle(replicas_handle)
         streams = (DisaggStreams(replicas_handle, DetachedHandle(decode_handle), self.decode_table,
-                                 self.settings.disagg_transport)
+                                 self.settings.disagg_transport, self.settings.max_retries, self.settings.retry_wait_s)
                    if decode_handle is not None else ReplicaChannels(replicas_handle))
         self.dispatcher = Dispatcher(streams, self.admission, self.metrics, self.settings.max_retries,
                                      self.settings.retry_wait_s)
