@@ -15,6 +15,8 @@ from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
 from kvloom.engine.structured_output import GrammarCompiler
+from kvloom.engine.tool_calls.conversation import chat_token_ids
+from kvloom.engine.tool_calls.tools import ToolUse
 from kvloom.engine.unicode_text import not_unicode_field
 
 
@@ -35,12 +37,11 @@ class InputProcessor:
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], tools: ToolUse | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
         check_unicode("messages", messages)
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return chat_token_ids(self.tokenizer, messages, tools)
 
     def encode(self, prompt: str) -> list[int]:
         check_unicode("prompt", prompt)

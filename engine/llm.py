@@ -7,7 +7,9 @@ from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
-from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.sampling import SamplingParams, StructuredOutputs
+from kvloom.engine.tool_calls import hermes
+from kvloom.engine.tool_calls.tools import parse_tool_choice, parse_tools, tool_use
 from kvloom.kernels.item_pool import torch_threads
 
 
@@ -57,10 +59,17 @@ class LLM:
         return [finished[r.request_id] for r in requests]
 
     def chat(
-        self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False
+        self, conversations: list[dict] | list[list[dict]], params: SamplingParams | None = None, use_tqdm: bool = False,
+        tools: list[dict] | None = None, tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several, as vLLM takes them."""
+        """One conversation (a list of messages) or several, as vLLM takes them. With `tools` (OpenAI's form) the
+        server's tool calling applies: the tools reach the template, calls are constrained to their schemas; read
+        them from an output's text with `kvloom.engine.tool_calls.hermes.parse`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        prompts = [self.engine.apply_chat_template(messages) for messages in conversations]
+        use = tool_use(parse_tools(tools) if tools else None, parse_tool_choice(tool_choice), parallel_tool_calls)
+        prompts = [self.engine.apply_chat_template(messages, use) for messages in conversations]
+        if use is not None:
+            params = (params or SamplingParams()).model_copy(update={"structured_outputs": StructuredOutputs(
+                structural_tag=hermes.structural_tag(use), field="tools")})
         return self.generate(prompts, params, use_tqdm)

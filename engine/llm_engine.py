@@ -37,6 +37,7 @@ from kvloom.engine.speculation.speculative import SpecDecodeStats, build_specula
 from kvloom.engine.startup_times import StartupTimes
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
+from kvloom.engine.tool_calls.tools import ToolUse
 from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.cpu_lora import runs_on_cpu_op
@@ -120,8 +121,8 @@ class LLMEngine:
                            self.device)
 
     # ---- requests ---------------------------------------------------------------------------
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return self.inputs.apply_chat_template(messages)
+    def apply_chat_template(self, messages: list[dict], tools: ToolUse | None = None) -> list[int]:
+        return self.inputs.apply_chat_template(messages, tools)
 
     def encode(self, prompt: str) -> list[int]:
         return self.inputs.encode(prompt)

@@ -13,13 +13,15 @@ class StructuredOutputs(BaseModel):
     json_object: bool = False  # the output is any JSON object
     regex: str | None = None  # the output matches this regular expression
     choice: list[str] | None = None  # the output is one of these strings
+    structural_tag: dict[str, Any] | None = None  # xgrammar's structural tag (tool calls: tool_calls/hermes.py)
     field: str = "structured_outputs"  # the request field that asked for it, named in errors
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":
-        given = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None]
+        given = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.structural_tag is not None]
         if sum(given) != 1:
-            raise ValueError("give exactly one of json_schema, json_object, regex and choice")
+            raise ValueError("give exactly one of json_schema, json_object, regex, choice and structural_tag")
         if self.choice is not None and not self.choice:
             raise ValueError("choice must list at least one string")
         return self

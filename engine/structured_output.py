@@ -1,7 +1,8 @@
 """Structured outputs: a grammar per request, applied to a step's logits as a token bitmask.
 
 A request may ask that its output be JSON valid against a schema, any JSON object, a match of a regular
-expression, or one of a list of strings (`SamplingParams.structured_outputs`). xgrammar compiles the
+expression, one of a list of strings, or a structural tag (free text around tagged parts, each constrained: how
+tool calls are constrained) (`SamplingParams.structured_outputs`). xgrammar compiles the
 constraint against the model's vocabulary once (cached by constraint) and gives each request a matcher.
 Every step, each constrained row's matcher fills one 32-bit word per 32 tokens, and the tokens it does not
 allow go to -inf in place before sampling, greedy or not; the token chosen is then accepted into the
@@ -72,12 +73,14 @@ class GrammarCompiler:
         try:
             if constraint.json_schema is not None:
                 return self._compiler.compile_json_schema(json.dumps(constraint.json_schema), any_whitespace=False)
+            if constraint.structural_tag is not None:
+                return self._compiler.compile_structural_tag(constraint.structural_tag)
             if constraint.json_object:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if constraint.regex is not None:
                 return self._compiler.compile_regex(constraint.regex)
             return self._compiler.compile_regex("|".join(f"({re.escape(c)})" for c in constraint.choice))
-        except RuntimeError as exc:  # how xgrammar reports a schema or regex it cannot use
+        except (RuntimeError, ValueError) as exc:  # how xgrammar reports a schema, regex or tag it cannot use
             raise ValueError(_reason(exc)) from None
 
 

@@ -13,7 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvloom.engine.config import ADAPTER_NAME
+from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.sampling import SamplingParams, StructuredOutputs
+from kvloom.engine.tool_calls import hermes
+from kvloom.engine.tool_calls.tools import Tool, ToolCall, ToolChoice, ToolUse, tool_use
 
 # Fields of OpenAI's or vLLM's API that change what is generated and that kvloom does not implement.
 REFUSED_FIELDS = {
@@ -256,15 +259,27 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a message's unknown field could be content: refused
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant turn that only calls tools
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn's: the call it answers
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> "ChatMessage":
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
     def _parts_of_a_known_type(cls, content: Any) -> Any:
         """One error naming the part at fault, not one per branch of the union."""
-        if isinstance(content, str):
+        if content is None or isinstance(content, str):
             return content
         if not isinstance(content, list):
             raise ValueError("must be a string or a list of text parts")
@@ -281,10 +296,18 @@ class ChatMessage(BaseModel):
         return parts
 
     def as_template_entry(self) -> dict:
-        return {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        """The message as OpenAI sends it, its content as one text (tool_calls/conversation.py renders it)."""
+        entry = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.tool_calls:
+            entry["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            entry["tool_call_id"] = self.tool_call_id
+        return entry
 
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+    def text(self) -> str | None:
+        if self.content is None or isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Common):
@@ -292,8 +315,8 @@ class ChatCompletionRequest(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -304,14 +327,25 @@ class ChatCompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise UnsupportedFieldError("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise UnsupportedFieldError("tool_choice", "tool calling is not supported")
+        if self.tool_use() is not None and self.output_constraint() is not None:
+            raise UnsupportedFieldError("tool_choice", "tools cannot be called under a structured-output constraint")
         self.conversation()
+
+    def tool_use(self) -> ToolUse | None:
+        try:
+            return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except InvalidRequestError as exc:
+            raise UnsupportedFieldError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
 
     def conversation(self) -> list[dict]:
         return [m.as_template_entry() for m in self.messages]
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs, seed_offset)
+        if (use := self.tool_use()) is None:
+            return params
+        return params.model_copy(update={"structured_outputs": StructuredOutputs(
+            structural_tag=hermes.structural_tag(use), field="tools")})
 
 
 class TokenizeRequest(_Lenient):

@@ -28,6 +28,7 @@ from kvloom.engine.config import LoRAConfig
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.tool_calls.conversation import chat_token_ids
 from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
@@ -36,6 +37,7 @@ from kvloom.router.adapters import AdapterCatalog
 from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels, ReplicaGone
+from kvloom.router.chat_choices import ChatChoices
 from kvloom.router.cold_start import ColdStart
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
@@ -267,10 +269,6 @@ class Router:
         self.unknown_fields.note(parsed.ignored_fields())
         return parsed
 
-    def _chat_tokens(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False))
-
     def _tenant(self, request: Request) -> Tenant:
         return self.tenants.authenticate(request.headers.get("authorization"))
 
@@ -444,33 +442,20 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-            token_ids = self._chat_tokens(body.conversation())
+            token_ids = chat_token_ids(self.tokenizer, body.conversation(), body.tool_use())
             top_n = (body.top_logprobs or 0) if body.logprobs else None
             choices = await start_choices(fork_siblings([self._job(
                 tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
                 for j in range(body.n)], body.n), body.n, self._start)
         except APIError as exc:
             return exc.response()
-        logprobs = LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None
+        written = ChatChoices(LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None,
+                              calls_tools=body.tool_use() is not None)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model}
-
-        def delta_choice(choice: Choice, chunk: Chunk) -> dict:
-            delta = {"content": chunk.text} if chunk.text or not chunk.finish_reason else {}
-            if chunk is choice.first:
-                delta["role"] = "assistant"
-            return {"index": choice.index, "delta": delta, "finish_reason": chunk.finish_reason,
-                    "logprobs": logprobs.chat(chunk.token_ids, chunk.logprobs) if logprobs else None}
-
-        def message_choice(choice: Choice, chunks: list[Chunk]) -> dict:
-            token_ids, token_logprobs, reason = joined(chunks)
-            return {"index": choice.index, "finish_reason": reason,
-                    "message": {"role": "assistant", "content": "".join(c.text for c in chunks)},
-                    "logprobs": logprobs.chat(token_ids, token_logprobs) if logprobs else None}
-
         if body.stream:
-            return stream_response(head, choices, delta_choice, body.include_usage, body.continuous_usage)
-        return await collect_response({**head, "object": "chat.completion"}, choices, message_choice)
+            return stream_response(head, choices, written.delta, body.include_usage, body.continuous_usage)
+        return await collect_response({**head, "object": "chat.completion"}, choices, written.message)
 
     # ---- vLLM's token endpoints ---------------------------------------------------------------
     @api.post("/tokenize")
@@ -481,7 +466,7 @@ class Router:
         except APIError as exc:
             return exc.response()
         if body.messages is not None:
-            tokens = self._chat_tokens(body.conversation(), body.add_generation_prompt)
+            tokens = chat_token_ids(self.tokenizer, body.conversation(), add_generation_prompt=body.add_generation_prompt)
         else:
             tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.table.max_model_len() or None, "tokens": tokens,

@@ -112,7 +112,7 @@ def test_models_and_health(server):
         ("/v1/completions", {"model": "smollm2", "prompt": "word " * 900, "max_tokens": 500}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
-                                  "tools": [{"type": "function"}]}, 400, "tools"),
+                                  "tools": [{"type": "function"}]}, 400, "tools.0.function"),
     ],
 )
 def test_bad_requests_get_openai_errors(server, path, body, status, param):

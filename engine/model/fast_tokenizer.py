@@ -109,14 +109,14 @@ class FastTokenizer:
         return [self.backend_tokenizer.id_to_token(t) for t in token_ids]
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = True, return_dict: bool = False) -> list[int]:
+                            tokenize: bool = True, return_dict: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Token ids of the rendered chat (`tokenize` and `return_dict` exist for transformers' signature:
-        kvloom always asks for ids)."""
+        kvloom always asks for ids); `tools` for a template that takes them (tool_calls/conversation.py)."""
         if not tokenize or return_dict:
             raise ValueError("FastTokenizer renders chats into token ids only")
         if self.template is None:
             raise ValueError("this model's tokenizer has no chat template")
         messages = [{k: v for k, v in message.items() if v is not None} for message in conversation]
-        text = self.template.render(messages=messages, tools=None, documents=None,
+        text = self.template.render(messages=messages, tools=tools, documents=None,
                                     add_generation_prompt=add_generation_prompt, **self.special_tokens)
         return self.encode(text, add_special_tokens=False)
