@@ -27,7 +27,8 @@ from kvloom.replicas.messages import ReplicaStats
 
 PREEMPTION_HEADROOM = 2  # a replica's in-flight cap, in multiples of its credit, when preempting
 RETIRED_MEMORY_S = 600.0  # how long a retired replica's stats pushes are ignored (it ends long before)
-SENT_MEMORY_S = 10.0  # how long an adapter sent to a replica counts as held there without its report saying so
+SENT_MEMORY_S = 10.0  # how long an adapter or a prompt's blocks sent to a replica count as held there without its
+# report saying so
 ACTIVE_TENANT_S = 10.0  # a tenant in flight on a replica this recently shares its slots (a steady client between
 # two of its requests is still there)
 
@@ -46,6 +47,8 @@ class ReplicaState:
     recent: dict[str, tuple[float, float]] = field(default_factory=dict)  # tenant -> (weight, last time in flight)
     adapters: set[str] = field(default_factory=set)  # LoRA adapters it reported holding
     adapters_sent: dict[str, float] = field(default_factory=dict)  # adapters sent there and not reported yet: when
+    prefixes_sent: dict[int, float] = field(default_factory=dict)  # block hashes likewise (a report built before a
+    # prompt's blocks were cached would otherwise wipe them, and its group's next prompt would go elsewhere)
 
     def capacity(self, slack: int) -> int:
         return self.stats.max_num_seqs + slack
@@ -110,8 +113,12 @@ class ReplicaTable:
         state = self.replicas.get(replica_id)
         if state is None:
             state = self.replicas[replica_id] = ReplicaState(replica_id, stats, time.monotonic())
-        state.stats, state.last_seen = stats, time.monotonic()
+        now = time.monotonic()
+        state.stats, state.last_seen = stats, now
         state.cached = set(stats.cached_prefix_hashes)
+        state.prefixes_sent = {h: t for h, t in state.prefixes_sent.items()
+                               if now - t < SENT_MEMORY_S and h not in state.cached}
+        state.cached.update(state.prefixes_sent)
         state.adapters = set(stats.lora_adapters)
         state.adapters_sent = {a: t for a, t in state.adapters_sent.items() if a not in state.adapters}
         if not stats.healthy:
@@ -174,6 +181,7 @@ class ReplicaTable:
         replica.weights[tenant] = weight
         replica.recent[tenant] = (weight, time.monotonic())
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
+        replica.prefixes_sent.update(dict.fromkeys(prompt_hashes, time.monotonic()))
         if adapter is not None:
             replica.adapters_sent[adapter] = time.monotonic()  # and this adapter
 

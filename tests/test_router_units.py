@@ -36,6 +36,18 @@ def test_prefix_affinity_picks_the_replica_holding_the_prompt():
     assert table.choose(prompt).replica_id == "b"
 
 
+def test_a_prompt_sent_to_a_replica_draws_its_group_there_until_a_report_shows_its_blocks():
+    """A report the replica built before the prompt's blocks were cached does not make the router forget them."""
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0)
+    for replica_id in ("a", "b"):
+        table.report(stats(replica_id, max_num_seqs=4))
+    table.take(table.replicas["b"], prompt)
+    table.report(stats("b", max_num_seqs=4))  # built before the prompt ran
+    table.give_back(table.replicas["b"])
+    assert table.choose(prompt).replica_id == "b"
+
+
 def test_imbalance_overrides_affinity():
     prompt = prompt_block_hashes(list(range(64)), 16)
     table = ReplicaTable(slack=0, imbalance_threshold=1)
