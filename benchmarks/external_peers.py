@@ -292,9 +292,9 @@ def server_command(spec: SystemSpec, settings: BenchSettings, max_model_len: int
     dtype = spec.engine.get("dtype")
     if spec.kind == "vllm-serve":
         install = vllm_install()
-        return (vllm_server_command(install.executable, resolve_model_dir(settings.model), port, settings,
-                                    dtype or "bfloat16", max_model_len, spec.engine.get("lora")), vllm_env(settings),
-                install)
+        return ([*vllm_server_command(install.executable, resolve_model_dir(settings.model), port, settings,
+                                      dtype or "bfloat16", max_model_len, spec.engine.get("lora")), *spec.extra_args],
+                vllm_env(settings), install)
     if spec.kind == "llama.cpp":
         install = llama_cpp_install()
         gguf = llama_gguf(dtype or "f16")

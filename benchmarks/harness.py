@@ -43,6 +43,7 @@ class SystemSpec:
     engine: dict = field(default_factory=dict)  # kvloom EngineConfig overrides
     num_requests: int | None = None  # run only the first N requests (a stated subset)
     serve: dict = field(default_factory=dict)  # kvloom-serve only: top-level config (tenants, admin keys)
+    extra_args: tuple[str, ...] = ()  # vllm-serve only: more of its command-line flags
 
 
 @dataclass

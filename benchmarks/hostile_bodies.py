@@ -4,6 +4,7 @@ value. The suite's property tests and `python -m kvloom.benchmarks.fuzz` draw fr
 
 from hypothesis import strategies as st
 
+from kvloom.router.openai_responses.request import ResponsesRequest
 from kvloom.router.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 # fields whose valid values would make a request long (generation) are kept small when valid
@@ -11,7 +12,7 @@ SMALL = {"max_tokens": st.integers(1, 3), "max_completion_tokens": st.integers(1
          "best_of": st.integers(1, 2), "min_tokens": st.integers(0, 2), "top_logprobs": st.integers(0, 2),
          "logprobs": st.one_of(st.booleans(), st.integers(0, 2))}
 ENDPOINTS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
-             "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+             "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest, "/v1/responses": ResponsesRequest}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.text(max_size=12),

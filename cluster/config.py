@@ -37,6 +37,9 @@ class RouterConfig(PolicyConfig, Strict):
     replica_slack: int = Field(4, ge=0, description="requests a replica may queue beyond max_num_seqs")
     imbalance_threshold: int = Field(8, ge=0, description="load gap that overrides prefix affinity")
     max_retries: int = Field(2, ge=0, description="times a request whose replica died moves to another one")
+    stored_responses: int = Field(1000, ge=0, description="Responses API: responses kept for previous_response_id "
+                                                          "and GET (the oldest go first)")
+    stored_response_max_age_s: float = Field(86400, gt=0, description="Responses API: how long one is kept")
     retry_wait_s: float = Field(60, gt=0, description="how long a moved request waits for a replica before it "
                                                       "ends with an error")
     cold_start_timeout_s: float = Field(300, gt=0, description="how long a request waits for a replica while "

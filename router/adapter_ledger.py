@@ -6,6 +6,8 @@ its config and ends the ledgers of the ones before it.
 
 import ray
 
+from kvloom.router.deployment_actors import deployment_actor
+
 LEDGER_PREFIX = "kvloom-lora-ledger"
 
 
@@ -22,10 +24,5 @@ class AdapterLedger:
 
 
 def open_ledger(app: str, deployment_id: str):
-    """This deployment's ledger (the first router makes it; one restarted after a crash finds it), ending those of
-    the app's earlier deployments."""
-    name = f"{LEDGER_PREFIX}:{app}:{deployment_id}"
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith(f"{LEDGER_PREFIX}:{app}:") and actor["name"] != name:
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
-    return AdapterLedger.options(name=name, lifetime="detached", get_if_exists=True).remote()
+    """This deployment's ledger, ending those of the app's earlier deployments."""
+    return deployment_actor(AdapterLedger, LEDGER_PREFIX, app, deployment_id)

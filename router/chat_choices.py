@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvloom.engine.tool_calls import hermes
 from kvloom.replicas.messages import Chunk
+from kvloom.router.protocol import ChatCompletionRequest
 from kvloom.router.responses import Choice, LogprobsFormat, joined
 
 
@@ -24,6 +25,12 @@ class ChatChoices:
     calls_tools: bool
     _streams: dict[int, hermes.CallStream] = field(default_factory=dict)  # a streamed choice's parser
     _ids: dict[tuple[int, int], str] = field(default_factory=dict)  # (choice, call) -> its id
+
+    @staticmethod
+    def for_request(body: ChatCompletionRequest, tokenizer) -> "ChatChoices":
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        return ChatChoices(LogprobsFormat(tokenizer, top_n) if top_n is not None else None,
+                           calls_tools=body.tool_use() is not None)
 
     def message(self, choice: Choice, chunks: list[Chunk]) -> dict:
         token_ids, token_logprobs, reason = joined(chunks)

@@ -105,7 +105,7 @@ def _schema(value: dict | str) -> dict[str, Any]:
     return value
 
 
-class _Lenient(BaseModel):
+class LenientBody(BaseModel):
     """Unknown fields are kept in `model_extra`, for the refuse-or-log decision above."""
     model_config = ConfigDict(extra="allow")
 
@@ -123,7 +123,7 @@ class _Lenient(BaseModel):
         return self.unknown_fields()
 
 
-class StreamOptions(_Lenient):
+class StreamOptions(LenientBody):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk (guidellm asks for it)
 
@@ -134,7 +134,7 @@ class UnsupportedFieldError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-class _Common(_Lenient):
+class _Common(LenientBody):
     model: str
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -348,7 +348,7 @@ class ChatCompletionRequest(_Common):
             structural_tag=hermes.structural_tag(use), field="tools")})
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(LenientBody):
     """vLLM's /tokenize: a prompt, or chat messages through the model's template."""
     model: str | None = None
     prompt: str | None = None
@@ -371,19 +371,19 @@ class TokenizeRequest(_Lenient):
         return [m.as_template_entry() for m in self.messages or ()]
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(LenientBody):
     model: str | None = None
     tokens: list[int]
 
 
-class LoadAdapterRequest(_Lenient):
+class LoadAdapterRequest(LenientBody):
     """vLLM's POST /v1/load_lora_adapter."""
     model: str | None = None  # unused: present so that the router's model check applies alike
     lora_name: str = Field(pattern=ADAPTER_NAME)
     lora_path: str = Field(min_length=1)
 
 
-class UnloadAdapterRequest(_Lenient):
+class UnloadAdapterRequest(LenientBody):
     """vLLM's POST /v1/unload_lora_adapter."""
     model: str | None = None
     lora_name: str

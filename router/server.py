@@ -9,7 +9,6 @@ change that touches only them is applied by `reconfigure()` without restarting a
 quota buckets, VTC counters and queued requests carry over.
 """
 
-import json
 import os
 import time
 import uuid
@@ -29,7 +28,6 @@ from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.tool_calls.conversation import chat_token_ids
-from kvloom.engine.unicode_text import not_unicode_field
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.adapter_ledger import open_ledger
@@ -38,13 +36,17 @@ from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels, ReplicaGone
 from kvloom.router.chat_choices import ChatChoices
+from kvloom.router.request_bodies import json_body
+from kvloom.router.openai_responses.endpoint import ResponsesEndpoint, as_responses_error
+from kvloom.router.openai_responses.request import ResponsesRequest
+from kvloom.router.openai_responses.store import open_store
 from kvloom.router.cold_start import ColdStart
 from kvloom.router.dispatcher import Dispatcher, Job
 from kvloom.router.errors import APIError, validation_error
 from kvloom.router.handles import DetachedHandle
 from kvloom.router.metrics import RouterMetrics
 from kvloom.router.policies import PolicyConfig, make_policy
-from kvloom.router.protocol import (SURROGATE_ESCAPE, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from kvloom.router.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                     LoadAdapterRequest, TokenizeRequest, UnloadAdapterRequest, UnsupportedFieldError)
 from kvloom.router.replica_table import ReplicaTable
 from kvloom.router.membership import ReplicaMembership
@@ -68,6 +70,8 @@ class RouterSettings(BaseModel):
     imbalance_threshold: int = 8
     max_retries: int = 2
     retry_wait_s: float = 60.0
+    stored_responses: int = 1000
+    stored_response_max_age_s: float = 86400.0
     max_request_bytes: int = 4 * 2**20
     metrics_require_admin: bool = False
     disagg_transport: str | None = None  # set: prefill/decode replicas hand KV over this transport
@@ -129,6 +133,10 @@ class Router:
         lora = LoRAConfig(**self.settings.lora) if self.settings.lora else None
         ledger = (open_ledger(serve.get_replica_context().app_name, self.settings.deployment_id)
                   if lora is not None and self.settings.deployment_id else None)
+        app = serve.get_replica_context().app_name
+        self.responses = ResponsesEndpoint(open_store(app, self.settings.deployment_id or "local",
+                                                      self.settings.stored_responses,
+                                                      self.settings.stored_response_max_age_s))
         self.adapters = AdapterCatalog(lora, (self.settings.served_model_name, self.settings.model), ledger)
         self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
         self.counters = VirtualCounters()
@@ -224,37 +232,12 @@ class Router:
                 "queued": len(self.admission), "tenants_in_ledger": len(self.tenants.ledger)}
 
     # ---- helpers ----------------------------------------------------------------------------
-    async def _body(self, request: Request) -> bytes:
-        """The raw body, refused with 413 as soon as it passes `max_request_bytes` (not read whole first)."""
-        limit = self.settings.max_request_bytes
-        too_large = APIError(413, f"request body is over {limit} bytes (router.max_request_bytes)", None,
-                             "request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _parse(self, request: Request, schema):
         if self.draining:
             raise _draining()
-        raw = await self._body(request)
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"malformed JSON body: {exc}", None, "invalid_json") from exc
-        except RecursionError as exc:
-            raise APIError(400, "malformed JSON body: nested too deeply", None, "invalid_json") from exc
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", None, "invalid_json")
-        if SURROGATE_ESCAPE.search(raw) and (field := not_unicode_field(body)) is not None:
-            raise APIError(400, f"{field}: not valid Unicode text (a lone UTF-16 surrogate escape)", field,
-                           "invalid_value")
+        return self._validated(await json_body(request, self.settings.max_request_bytes), schema)
+
+    def _validated(self, body: dict, schema):
         try:
             parsed = schema.model_validate(body)
             parsed.check_supported()
@@ -442,20 +425,51 @@ class Router:
         try:
             tenant = self._tenant(request)
             body: ChatCompletionRequest = await self._parse(request, ChatCompletionRequest)
-            token_ids = chat_token_ids(self.tokenizer, body.conversation(), body.tool_use())
-            top_n = (body.top_logprobs or 0) if body.logprobs else None
-            choices = await start_choices(fork_siblings([self._job(
-                tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
-                for j in range(body.n)], body.n), body.n, self._start)
+            choices, written = await self._start_chat(tenant, body)
         except APIError as exc:
             return exc.response()
-        written = ChatChoices(LogprobsFormat(self.tokenizer, top_n) if top_n is not None else None,
-                              calls_tools=body.tool_use() is not None)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
                 "created": int(time.time()), "model": body.model}
         if body.stream:
             return stream_response(head, choices, written.delta, body.include_usage, body.continuous_usage)
         return await collect_response({**head, "object": "chat.completion"}, choices, written.message)
+
+    async def _start_chat(self, tenant: Tenant, body: ChatCompletionRequest) -> tuple[list[Choice], ChatChoices]:
+        token_ids = chat_token_ids(self.tokenizer, body.conversation(), body.tool_use())
+        top_n = (body.top_logprobs or 0) if body.logprobs else None
+        choices = await start_choices(fork_siblings([self._job(
+            tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
+            for j in range(body.n)], body.n), body.n, self._start)
+        return choices, ChatChoices.for_request(body, self.tokenizer)
+
+    @api.post("/v1/responses")
+    async def create_response(self, request: Request):
+        try:
+            tenant = self._tenant(request)
+            body: ResponsesRequest = await self._parse(request, ResponsesRequest)
+            conversation = body.conversation(await self.responses.history(body, tenant.name))
+            try:
+                chat = self._validated(body.chat_body(conversation), ChatCompletionRequest)
+            except APIError as exc:
+                raise as_responses_error(exc) from None
+            (choice,), written = await self._start_chat(tenant, chat)
+        except APIError as exc:
+            return exc.response()
+        return await self.responses.respond(body, tenant.name, conversation, choice, written)
+
+    @api.get("/v1/responses/{response_id}")
+    async def get_response(self, request: Request, response_id: str):
+        try:
+            return await self.responses.get(response_id, self._tenant(request).name)
+        except APIError as exc:
+            return exc.response()
+
+    @api.delete("/v1/responses/{response_id}")
+    async def delete_response(self, request: Request, response_id: str):
+        try:
+            return await self.responses.delete(response_id, self._tenant(request).name)
+        except APIError as exc:
+            return exc.response()
 
     # ---- vLLM's token endpoints ---------------------------------------------------------------
     @api.post("/tokenize")

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from kvloom.benchmarks.hostile_bodies import ENDPOINTS, hostile
 from kvloom.cluster.config import ClusterConfig
+from kvloom.router.openai_responses.request import ResponsesRequest
 from kvloom.router.protocol import ChatCompletionRequest, CompletionRequest, UnsupportedFieldError
 from kvloom.router.unknown_fields import MAX_NAMES, UnknownFieldLog
 
@@ -32,6 +33,9 @@ def test_every_generated_body_is_parsed_or_refused_naming_a_field(model):
         try:
             request = model.model_validate(body)
             request.check_supported()
+            if isinstance(request, ResponsesRequest):  # it runs as its chat request
+                request = ChatCompletionRequest.model_validate(request.chat_body(request.conversation([])))
+                request.check_supported()
         except (ValidationError, UnsupportedFieldError):
             return
         if isinstance(request, (CompletionRequest, ChatCompletionRequest)):

@@ -42,7 +42,7 @@ def structural_tag(use: ToolUse) -> dict:
     tags = [{"type": "tag", "begin": CALL_BEGIN + tool.function.name + ARGUMENTS_BEGIN,
              "content": {"type": "json_schema", "json_schema": tool.function.parameters,
                          "max_whitespace_cnt": 1}, "end": CALL_END}
-            for tool in use.tools]
+            for tool in use.callable]
     if use.mode == "named":
         return {"type": "structural_tag", "format": tags[0]}
     if use.mode == "required":

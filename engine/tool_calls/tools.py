@@ -70,9 +70,15 @@ class ToolCall(BaseModel):
 class ToolUse:
     """How a request may call its tools: `auto` (text or calls), `required` (calls only), `named` (that one)."""
 
-    tools: tuple[Tool, ...]
+    tools: tuple[Tool, ...]  # all the request offers (the model sees them all)
     mode: Literal["auto", "required", "named"]
     parallel: bool = True
+    name: str | None = None  # named: the function it must call
+
+    @property
+    def callable(self) -> tuple[Tool, ...]:
+        """The tools its output may call."""
+        return tuple(t for t in self.tools if self.name in (None, t.function.name))
 
     def function_dicts(self) -> list[dict]:
         """The tools as a chat template's `tools` takes them."""
@@ -84,8 +90,7 @@ def tool_use(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool
     if isinstance(choice, NamedToolChoice):
         if not tools or choice.function.name not in {t.function.name for t in tools}:
             raise InvalidRequestError("tool_choice", f"names function {choice.function.name!r}, which is not in tools")
-        named = tuple(t for t in tools if t.function.name == choice.function.name)
-        return ToolUse(named, "named", parallel=False)
+        return ToolUse(tuple(tools), "named", parallel=False, name=choice.function.name)
     if choice == "required" and not tools:
         raise InvalidRequestError("tool_choice", "required needs at least one tool")
     if not tools or choice == "none":
