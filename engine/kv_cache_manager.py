@@ -34,9 +34,10 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[KVBlock]:
         """Longest run of the request's full blocks already in the cache.
 
-        At most `num_tokens - 1` tokens may hit: the last token must be computed for its logits.
+        At most `num_tokens - 1` tokens may hit: the last token must be computed for its logits. None for a request
+        asking for prompt logprobs: they come from its prompt's logits (engine/prompt_logprobs.py).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[KVBlock] = []
         parent = request.hash_root

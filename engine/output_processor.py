@@ -98,7 +98,9 @@ class OutputProcessor:
             request.arrival_time, request.first_scheduled_time, request.first_token_time,
             time.monotonic() if finished else None,
         )
+        first = len(new_tokens) == len(request.output_token_ids) and bool(new_tokens)
         return RequestOutput(
             request.request_id, request.prompt, request.prompt_token_ids, [completion], finished,
             request.num_cached_prompt_tokens, metrics, request.priority,
+            prompt_logprobs=request.prompt_logprobs if first or finished else None,
         )

@@ -33,3 +33,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     priority: int = 0
     extra: dict = field(default_factory=dict)
+    prompt_logprobs: list[tuple[int, dict[int, float]] | None] | None = None  # asked for: with the first token
+    # and with the last (each a streamed output's chunk's, the other an offline caller's)

@@ -50,6 +50,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(init=False)  # prompt followed by the generated tokens
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[tuple[int, dict[int, float]] | None] | None = None  # by position (prompt_logprobs.py)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_prompt_tokens: int = 0  # of those, how many came from the prefix cache
     num_preemptions: int = 0

@@ -18,6 +18,7 @@ from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.speculation.rejection_sampler import verify
 from kvloom.engine.request import Request
+from kvloom.engine.prompt_logprobs import PromptLogprobRows, prompt_rows
 from kvloom.engine.sampler import SampledToken, sample
 from kvloom.engine.step_plan import HostStaging, StepInputs
 from kvloom.engine.model.stock_decoder import StockDecoder
@@ -100,26 +101,32 @@ class ModelRunner:
     def execute(self, scheduled: list[tuple[Request, int]]) -> dict[str, list[SampledToken]]:
         """Run one step; returns the new tokens of each request whose known tokens are all computed: one,
         or with drafted tokens (`spec_token_ids`, computed in this step too) those kept and the next."""
-        inputs, sample_requests = self.prepare(by_adapter(scheduled) if self.adapters is not None else scheduled)
+        inputs, sample_requests, for_prompts = self.prepare(
+            by_adapter(scheduled) if self.adapters is not None else scheduled)
         logits = self.forward(inputs)
+        if for_prompts is not None and logits is not None:
+            logits = for_prompts.take(logits)
         if not sample_requests:
             return {}
-        if len(inputs.sample_rows) > len(sample_requests):
+        if logits.shape[0] > len(sample_requests):
             tokens = verify(logits, sample_requests)
         else:
             tokens = [[token] for token in sample(logits, sample_requests)]
         return {r.request_id: t for r, t in zip(sample_requests, tokens)}
 
-    def prepare(self, scheduled: list[tuple[Request, int]]) -> tuple[StepInputs, list[Request]]:
-        """The step's flattened inputs, and the requests whose rows reach the LM head (in row order)."""
+    def prepare(self, scheduled: list[tuple[Request, int]]
+                ) -> tuple[StepInputs, list[Request], PromptLogprobRows | None]:
+        """The step's flattened inputs, the requests sampled (in row order), and the rows kept for prompt logprobs."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        wanted_prompt_rows = []
         for request, num_new in scheduled:
             start = request.num_computed_tokens
             end = start + num_new
+            wanted_prompt_rows += prompt_rows(request, len(input_ids), start, end)
             known = request.token_ids[start:end]
             input_ids.extend(known + request.spec_token_ids[: num_new - len(known)])
             positions.extend(range(start, end))
@@ -129,13 +136,15 @@ class ModelRunner:
             if end == request.num_tokens_with_spec:
                 sample_rows.extend(range(len(input_ids) - 1 - len(request.spec_token_ids), len(input_ids)))
                 sample_requests.append(request)
-        inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, sample_rows, self.block_size,
+        plan = PromptLogprobRows.plan(sample_rows, wanted_prompt_rows, self.device)
+        kept_rows = plan.kept_rows if plan is not None else sample_rows
+        inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, kept_rows, self.block_size,
                                   self.staging)
         if self.adapters is not None and any(request.lora is not None for request, _ in scheduled):
             rows = [(n, self.adapters.weights(r.lora) if r.lora is not None else None) for r, n in scheduled]
-            inputs.lora = (self.adapter_slots.step(rows, sample_rows) if self.adapter_slots is not None
-                           else LoRAStep.of_rows(rows, sample_rows))
-        return inputs, sample_requests
+            inputs.lora = (self.adapter_slots.step(rows, kept_rows) if self.adapter_slots is not None
+                           else LoRAStep.of_rows(rows, kept_rows))
+        return inputs, sample_requests, plan
 
     def capture_graphs(self, max_num_seqs: int, max_blocks: int) -> DecodeGraphs:
         """CUDA graphs for plain decode steps up to `max_num_seqs` requests of up to `max_blocks` blocks."""

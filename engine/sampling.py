@@ -45,6 +45,8 @@ class SamplingParams(BaseModel):
     logit_bias: dict[int, float] = Field(default_factory=dict, description="token id -> value in [-100, 100]")
     n: int = Field(1, ge=1, le=1)
     logprobs: int | None = Field(None, ge=0, le=20, description="top alternatives per token")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="each prompt token's logprob and this many "
+                                                                       "top alternatives (engine/prompt_logprobs.py)")
     detokenize: bool = True
     structured_outputs: StructuredOutputs | None = None
 

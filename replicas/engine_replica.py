@@ -186,7 +186,7 @@ class EngineReplica:
             self.replica_id, output.request_id, completion.delta_text, completion.delta_token_ids,
             completion.logprobs[-len(completion.delta_token_ids):] if completion.logprobs else None,
             completion.finish_reason, len(output.prompt_token_ids), len(completion.token_ids),
-            output.num_cached_tokens,
+            output.num_cached_tokens, prompt_logprobs=output.prompt_logprobs,
         )
 
     async def submit(self, message: SubmitRequest | dict, channel: str,

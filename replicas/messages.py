@@ -75,6 +75,7 @@ class Chunk:
     error: ReplicaError | None = None
     handoff: Handoff | None = None  # disaggregation: the rest is decoded elsewhere
     kv_received: bool = False  # disaggregation: the decode replica holds the KV (no output in this chunk)
+    prompt_logprobs: list[tuple[int, dict[int, float]] | None] | None = None  # asked for: in the first chunk
 
     @property
     def finished(self) -> bool:

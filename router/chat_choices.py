@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from kvloom.engine.tool_calls import hermes
 from kvloom.replicas.messages import Chunk
+from kvloom.router.completion_choices import prompt_logprobs_field
 from kvloom.router.protocol import ChatCompletionRequest
 from kvloom.router.responses import Choice, LogprobsFormat, joined
 
@@ -23,6 +24,7 @@ def call_id() -> str:
 class ChatChoices:
     logprobs: LogprobsFormat | None
     calls_tools: bool
+    tokenizer: object = None  # set where the request asks for prompt_logprobs (vLLM's), which the first chunk carries
     _streams: dict[int, hermes.CallStream] = field(default_factory=dict)  # a streamed choice's parser
     _ids: dict[tuple[int, int], str] = field(default_factory=dict)  # (choice, call) -> its id
 
@@ -30,7 +32,8 @@ class ChatChoices:
     def for_request(body: ChatCompletionRequest, tokenizer) -> "ChatChoices":
         top_n = (body.top_logprobs or 0) if body.logprobs else None
         return ChatChoices(LogprobsFormat(tokenizer, top_n) if top_n is not None else None,
-                           calls_tools=body.tool_use() is not None)
+                           calls_tools=body.tool_use() is not None,
+                           tokenizer=tokenizer if body.prompt_logprobs is not None else None)
 
     def message(self, choice: Choice, chunks: list[Chunk]) -> dict:
         token_ids, token_logprobs, reason = joined(chunks)
@@ -42,8 +45,11 @@ class ChatChoices:
                 message["tool_calls"] = [{"id": call_id(), "type": "function",
                                           "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
                 reason = "tool_calls" if reason == "stop" else reason
-        return {"index": choice.index, "finish_reason": reason, "message": message,
-                "logprobs": self.logprobs.chat(token_ids, token_logprobs) if self.logprobs else None}
+        written = {"index": choice.index, "finish_reason": reason, "message": message,
+                   "logprobs": self.logprobs.chat(token_ids, token_logprobs) if self.logprobs else None}
+        if self.tokenizer is not None:
+            written["prompt_logprobs"] = prompt_logprobs_field(chunks[0].prompt_logprobs or [], self.tokenizer)
+        return written
 
     def delta(self, choice: Choice, chunk: Chunk) -> dict:
         reason = chunk.finish_reason

@@ -24,7 +24,6 @@ REFUSED_FIELDS = {
     "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
     "guided_grammar": "grammars are not supported (JSON schemas, regular expressions and choices are)",
     "guided_whitespace_pattern": "not supported", "guided_decoding_backend": "not supported",
-    "prompt_logprobs": "prompt logprobs are not supported",
     "include_stop_str_in_output": "not supported", "bad_words": "not supported", "allowed_token_ids": "not supported",
     "truncate_prompt_tokens": "not supported", "skip_special_tokens": "not supported",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
@@ -154,6 +153,7 @@ class _Common(LenientBody):
     logit_bias: dict[int, float] | None = None  # OpenAI sends the token ids as JSON object keys (strings)
     user: str | None = None
     priority: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob and top alternatives
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a prefix cache within the tenant's
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
@@ -203,7 +203,11 @@ class _Common(LenientBody):
             ignore_eos=self.ignore_eos, logprobs=logprobs, min_tokens=self.min_tokens,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},
+            prompt_logprobs=self.wanted_prompt_logprobs() if seed_offset == 0 else None,  # later choices fork its KV
         )
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -223,8 +227,6 @@ class CompletionRequest(_Common):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedFieldError("echo", "echo with logprobs needs prompt logprobs, which are not supported")
         if self.best_of is not None and self.best_of < self.n:
             raise UnsupportedFieldError("best_of", f"is {self.best_of}; it must be at least n ({self.n})")
         if self.candidates > self.n and self.stream:
@@ -232,6 +234,11 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported")
         self.prompts()
+
+    def wanted_prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs` shows the prompt's logprobs too."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
     @property
     def candidates(self) -> int:

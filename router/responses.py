@@ -125,14 +125,16 @@ class LogprobsFormat:
              "top_logprobs": [entry(a, v) for a, v in self._top(alternatives)]}
             for t, alternatives in zip(token_ids, logprobs)]}
 
-    def completion(self, token_ids: list[int], logprobs: list[dict], offset: int) -> dict:
+    def completion(self, token_ids: list[int], logprobs: list[dict | None], offset: int) -> dict:
+        """None for a token with no logprob (an echoed prompt's first)."""
         tokens = [self._text(t) for t in token_ids]
         offsets = []
         for text in tokens:
             offsets.append(offset)
             offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [float(next(iter(a.values()))) for a in logprobs],
-                "top_logprobs": [{self._text(t): v for t, v in self._top(a)} for a in logprobs],
+        return {"tokens": tokens,
+                "token_logprobs": [None if a is None else float(next(iter(a.values()))) for a in logprobs],
+                "top_logprobs": [None if a is None else {self._text(t): v for t, v in self._top(a)} for a in logprobs],
                 "text_offset": offsets}
 
 

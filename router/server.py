@@ -36,6 +36,7 @@ from kvloom.router.admission import AdmissionQueue
 from kvloom.router.disagg import DisaggStreams
 from kvloom.router.channels import ReplicaChannels, ReplicaGone
 from kvloom.router.chat_choices import ChatChoices
+from kvloom.router.completion_choices import CompletionChoices
 from kvloom.router.request_bodies import json_body
 from kvloom.router.openai_responses.endpoint import ResponsesEndpoint, as_responses_error
 from kvloom.router.openai_responses.request import ResponsesRequest
@@ -399,25 +400,17 @@ class Router:
                 for i, ids in enumerate(prompts)], per_prompt), per_prompt, self._start)
         except APIError as exc:
             return exc.response()
-        if body.echo:
-            for choice, prompt, ids in zip(choices, texts, prompts):
-                choice.prefix = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        logprobs = LogprobsFormat(self.tokenizer, body.logprobs) if body.logprobs is not None else None
+        written = CompletionChoices(body, self.tokenizer,
+                                    LogprobsFormat(self.tokenizer, body.logprobs) if body.logprobs is not None else None)
+        written.start(choices, prompts, texts)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model}
-
-        def completion_choice(choice: Choice, text: str, token_ids: list[int], token_logprobs, reason) -> dict:
-            offset = choice.sent_chars
-            choice.sent_chars += len(text)
-            return {"index": choice.index, "text": text, "finish_reason": reason,
-                    "logprobs": logprobs.completion(token_ids, token_logprobs, offset) if logprobs else None}
-
         if body.stream:
-            return stream_response(head, choices, lambda choice, chunk: completion_choice(
-                choice, (choice.prefix if chunk is choice.first else "") + chunk.text, chunk.token_ids,
-                chunk.logprobs, chunk.finish_reason), body.include_usage, body.continuous_usage)
-        return await collect_response(head, choices, lambda choice, chunks: completion_choice(
-            choice, choice.prefix + "".join(c.text for c in chunks), *joined(chunks)),
+            return stream_response(head, choices, lambda choice, chunk: written.write(
+                choice, chunk.text, chunk.token_ids, chunk.logprobs, chunk.finish_reason, chunk is choice.first),
+                body.include_usage, body.continuous_usage)
+        return await collect_response(head, choices, lambda choice, chunks: written.write(
+            choice, "".join(c.text for c in chunks), *joined(chunks), first=True),
             keep=(lambda done: most_likely(done, per_prompt, body.n)) if ranked else None)
 
     @api.post("/v1/chat/completions")

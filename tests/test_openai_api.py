@@ -172,6 +172,39 @@ def test_continuous_usage_stats_in_every_chunk(base):
                for e in events)
 
 
+def test_echo_with_logprobs_leads_with_the_prompts_tokens_as_lm_eval_reads_them(client, offline):
+    """What lm-evaluation-harness's local-completions sends for a loglikelihood: the prompt echoed with its tokens'
+    logprobs (the first null), equal to the engine's prompt logprobs, then the generated token's."""
+    got = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=1, temperature=0, echo=True,
+                                    logprobs=1).choices[0]
+    ids = offline.encode(PROMPTS[1])
+    offline.add_request("echo", ids, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1))
+    while offline.has_unfinished():
+        done = [o for o in offline.step() if o.finished]
+    want = [None] + [done[0].prompt_logprobs[i][1][ids[i]] for i in range(1, len(ids))]
+    lp = got.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and "".join(lp.tokens) == got.text and got.text.startswith(PROMPTS[1])
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(want[1:], abs=1e-5)
+
+
+def test_prompt_logprobs_on_completions_and_chat_are_vllms_shape(client, offline):
+    completion = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                                           extra_body={"prompt_logprobs": 2}).choices[0]
+    entries = completion.model_extra["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(offline.encode(PROMPTS[0]))
+    for entry in entries[1:]:
+        (chosen, first), *alternatives = entry.items()
+        assert first["rank"] >= 1 and [a["rank"] for _, a in alternatives] == [1, 2][: len(alternatives)]
+        assert all(isinstance(e["decoded_token"], str) for e in entry.values())
+    chat = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2, temperature=0,
+                                          extra_body={"prompt_logprobs": 0}).choices[0]
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    assert all(len(e) == 1 for e in chat.model_extra["prompt_logprobs"][1:])
+    assert "prompt_logprobs" not in client.completions.create(model="smollm2", prompt=PROMPTS[0],
+                                                               max_tokens=2).choices[0].model_extra
+
+
 def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refused(client, base):
     result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3, extra_body={
         "metadata": {"team": "a"}, "store": False, "vendor_x": 1, "skip_special_tokens": True,
@@ -187,7 +220,7 @@ def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refuse
     ({"logit_bias": {"x": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"echo": True, "logprobs": 1}, "echo"), ({"prompt": ["a"] * 65}, "prompt"), ({"seed": 2**63}, "seed"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt": ["a"] * 65}, "prompt"), ({"seed": 2**63}, "seed"),
 ])
 def test_bad_values_get_a_400_naming_the_field(base, body, param):
     response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)
