@@ -17,6 +17,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -172,11 +173,12 @@ def summary(tasks: list[Task], outcomes: list[Outcome]) -> dict[str, dict]:
     for mode in MODES:
         mine = [o for o in outcomes if by_id[o.task_id].mode == mode]
         calls = [c for o in mine for c in o.calls]
-        unhonoured = sum(1 for o in mine if o.status == 200 and mode != "auto" and (
-            not o.calls or (mode == "named" and any(c["name"] != by_id[o.task_id].target for c in o.calls))))
+        unhonoured = [o for o in mine if o.status == 200 and mode != "auto" and (
+            not o.calls or (mode == "named" and any(c["name"] != by_id[o.task_id].target for c in o.calls)))]
         rows[mode] = {"tasks": len(mine), "errors": sum(o.status != 200 for o in mine),
                       "tasks_with_calls": sum(bool(o.calls) for o in mine), "calls": len(calls),
-                      "valid_calls": sum(c["valid"] for c in calls), "unhonoured": unhonoured,
+                      "valid_calls": sum(c["valid"] for c in calls), "unhonoured": len(unhonoured),
+                      "unhonoured_cut_short": sum(o.finish_reason == "length" for o in unhonoured),
                       "markup_in_content": sum(o.markup_in_content for o in mine)}
     return rows
 
@@ -194,10 +196,11 @@ def measure(systems: list[str], tasks: list[Task], out: Path) -> dict:
     for name in systems:
         started = time.monotonic()
         try:
-            with running_server(SYSTEMS[name], settings, 2048, out / f"tools-{name}.log") as server:
+            log = Path(tempfile.gettempdir()) / f"kvloom-tools-{name}.log"
+            with running_server(SYSTEMS[name], settings, 2048, log) as server:
                 outcomes = run_tasks(server.base, SERVED_NAME, tasks)
         except ServerUnavailable as exc:
-            results[name] = {"status": str(exc)}
+            results[name] = {"status": f"{exc} (log: {log})"}
             print(f"[tools] {name}: {exc}", flush=True)
             continue
         results[name] = {"status": "ok", "seconds": time.monotonic() - started,
@@ -217,7 +220,8 @@ def write_report(doc: dict, out: Path) -> None:
              f"({meta['per_mode']} a mode), SmolLM2-135M at each server's default dtype, greedy, one request at a "
              f"time, `max_tokens` {MAX_TOKENS}, `parallel_tool_calls: false`. A call is valid when its tool was "
              "offered and its arguments parse as JSON and validate against that tool's `parameters`.", "",
-             "| system | mode | tasks | HTTP errors | tasks with calls | calls | valid | not honoured | markup in content |",
+             "| system | mode | tasks | HTTP errors | tasks with calls | calls | valid | not honoured (cut at max_tokens) "
+             "| markup in content |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for name, result in results.items():
         if result["status"] != "ok":
@@ -226,7 +230,8 @@ def write_report(doc: dict, out: Path) -> None:
         for mode, row in result["summary"].items():
             lines.append(f"| {SYSTEMS[name].name} | {mode} | {row['tasks']} | {row['errors']} | "
                          f"{row['tasks_with_calls']} | {row['calls']} | {row['valid_calls']} "
-                         f"({pct(row['valid_calls'], row['calls'])}) | {row['unhonoured']} | {row['markup_in_content']} |")
+                         f"({pct(row['valid_calls'], row['calls'])}) | {row['unhonoured']} "
+                         f"({row['unhonoured_cut_short']}) | {row['markup_in_content']} |")
     lines += ["", "## Reading", "", *reading(results), ""]
     (out / "tools.md").write_text("\n".join(lines) + "\n")
 
@@ -243,7 +248,8 @@ def reading(results: dict) -> list[str]:
         invalid = [c["why"] for o in result["outcomes"] for c in o["calls"] if not c["valid"]]
         said.append(f"- {SYSTEMS[name].name}: {valid} of {calls} calls valid ({pct(valid, calls)}); "
                     f"{sum(r['unhonoured'] for r in rows)} tasks where `required` or the named tool got no such "
-                    f"call; {sum(r['markup_in_content'] for r in rows)} replies with tool-call markup left in "
+                    f"call ({sum(r['unhonoured_cut_short'] for r in rows)} of them cut at max_tokens {MAX_TOKENS}, "
+                    f"inside a call); {sum(r['markup_in_content'] for r in rows)} replies with tool-call markup left in "
                     f"content; {sum(r['errors'] for r in rows)} HTTP errors"
                     + (f"; the invalid ones: {', '.join(sorted(set(invalid))[:5])}." if invalid else "."))
     ok = {n: r for n, r in results.items() if r["status"] == "ok"}
@@ -259,7 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-mode", type=int, default=70)
     parser.add_argument("--peers", default="vllm", help="comma-separated: vllm, or '' for kvloom alone")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--render", type=Path, help="rewrite the report from this tools.json, measuring nothing")
     args = parser.parse_args(argv)
+    if args.render:
+        doc = json.loads(args.render.read_text())
+        for result in doc["results"].values():
+            if result["status"] == "ok":
+                result["summary"] = summary([Task(**t) for t in doc["tasks"]],
+                                            [Outcome(**o) for o in result["outcomes"]])
+        write_report(doc, args.out)
+        return 0
     tasks = make_tasks(args.per_mode)
     args.out.mkdir(parents=True, exist_ok=True)
     results = measure(["kvloom", *filter(None, args.peers.split(","))], tasks, args.out)
