@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from kvloom.engine.request import Request
-from kvloom.engine.sampler import logprobs_of
+
+ROWS_AT_A_TIME = 64
 
 
 def wants_prompt_logprobs(request: Request) -> bool:
@@ -47,14 +48,26 @@ class PromptLogprobRows:
                                  [(request, position) for _, request, position in rows])
 
     def take(self, logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt rows' logprobs on their requests; the sample rows' logits, in sample order."""
-        logprobs = logits.index_select(0, self.prompt_index).float().log_softmax(-1)
-        tokens = [r.token_ids[p] for r, p in self.targets]
-        entries = logprobs_of(logprobs, tokens, [r.sampling_params.prompt_logprobs for r, _ in self.targets])
-        chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
-        ranks = ((logprobs > chosen).sum(1) + 1).tolist()  # 1: the most likely token
-        for (request, position), rank, entry in zip(self.targets, ranks, entries):
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None] * request.num_prompt_tokens
-            request.prompt_logprobs[position] = (rank, entry)
+        """Record the prompt rows' logprobs on their requests; the sample rows' logits, in sample order. A few rows
+        at a time, each widened to float32 alone: logprob = logit - logsumexp (a prompt's rows times the vocabulary
+        would otherwise be several float32 copies of gigabytes)."""
+        tokens = torch.tensor([r.token_ids[p] for r, p in self.targets], device=logits.device)
+        num_top = max(r.sampling_params.prompt_logprobs for r, _ in self.targets)
+        for start in range(0, len(self.targets), ROWS_AT_A_TIME):
+            block = logits.index_select(0, self.prompt_index[start:start + ROWS_AT_A_TIME]).float()
+            norm = block.logsumexp(-1, keepdim=True)
+            chosen = block.gather(1, tokens[start:start + ROWS_AT_A_TIME].unsqueeze(1))
+            ranks = ((block > chosen).sum(1) + 1).tolist()  # 1: the most likely token
+            chosen = (chosen - norm).squeeze(1).tolist()
+            top = (block.max(-1, keepdim=True) if num_top == 1 else block.topk(num_top)) if num_top else None
+            values = (top.values - norm).tolist() if top is not None else None
+            indices = top.indices.tolist() if top is not None else None
+            for i, (request, position) in enumerate(self.targets[start:start + ROWS_AT_A_TIME]):
+                entry = {request.token_ids[position]: chosen[i]}  # the token first, then its top alternatives
+                wanted = request.sampling_params.prompt_logprobs
+                for value, alternative in zip(values[i][:wanted] if values else (), indices[i][:wanted] if indices else ()):
+                    entry.setdefault(alternative, value)
+                if request.prompt_logprobs is None:
+                    request.prompt_logprobs = [None] * request.num_prompt_tokens
+                request.prompt_logprobs[position] = (ranks[i], entry)
         return logits.index_select(0, self.sample_index)

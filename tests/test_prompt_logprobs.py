@@ -26,14 +26,16 @@ def test_prompt_logprobs_equal_transformers_whole_chunked_and_after_a_prefix_cac
     knobs = {"max_num_batched_tokens": chunk, "max_num_seqs": 4} if chunk else {}
     llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, **knobs)
     assert llm.generate(PROMPT, SamplingParams(max_tokens=1, temperature=0))[0].prompt_logprobs is None
-    out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=3))[0]
-    assert out.num_cached_tokens == 0  # the same prompt was cached: this request computed it again
-    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
-    for position in range(1, len(PROMPT)):
-        rank, entry = out.prompt_logprobs[position]
-        row, token = expected[position - 1], PROMPT[position]
-        assert next(iter(entry)) == token and entry[token] == pytest.approx(row[token].item(), abs=1e-4)
-        assert rank == int((row > row[token]).sum()) + 1
-        top = row.topk(3)
-        for value, alternative in zip(top.values.tolist(), top.indices.tolist()):
-            assert entry[alternative] == pytest.approx(value, abs=1e-4)
+    for wanted in (1, 3):
+        out = llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=wanted))[0]
+        assert out.num_cached_tokens == 0  # the same prompt was cached: this request computed it again
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+        for position in range(1, len(PROMPT)):
+            rank, entry = out.prompt_logprobs[position]
+            row, token = expected[position - 1], PROMPT[position]
+            assert next(iter(entry)) == token and entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+            assert rank == int((row > row[token]).sum()) + 1
+            top = row.topk(wanted)
+            for value, alternative in zip(top.values.tolist(), top.indices.tolist()):
+                assert entry[alternative] == pytest.approx(value, abs=1e-4)
+            assert len(entry) == wanted + (token not in top.indices.tolist())  # the token and its top alternatives
