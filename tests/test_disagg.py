@@ -162,7 +162,7 @@ def test_a_decode_replica_full_for_longer_than_the_transfer_timeout_delays_hand_
         disagg, offline):
     base, router = disagg
     before = by_role(router)["decode"]["handoffs"]
-    long_ones = in_background(completions(base, [PROMPTS[2]] * ENGINE["max_num_seqs"], 800))
+    long_ones = in_background(completions(base, [PROMPTS[2]] * ENGINE["max_num_seqs"], 400))
     wait_for(lambda: by_role(router)["decode"]["num_running"] == ENGINE["max_num_seqs"])  # the decode replica is full
     started = time.monotonic()
     short = asyncio.run(completions(base, [PROMPTS[1]] * 4, 8))
