@@ -30,8 +30,7 @@ class ChatChoices:
 
     @staticmethod
     def for_request(body: ChatCompletionRequest, tokenizer) -> "ChatChoices":
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
-        return ChatChoices(LogprobsFormat(tokenizer, top_n) if top_n is not None else None,
+        return ChatChoices(LogprobsFormat(tokenizer, body.top_n) if body.top_n is not None else None,
                            calls_tools=body.tool_use() is not None,
                            tokenizer=tokenizer if body.prompt_logprobs is not None else None)
 

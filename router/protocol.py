@@ -338,6 +338,11 @@ class ChatCompletionRequest(_Common):
             raise UnsupportedFieldError("tool_choice", "tools cannot be called under a structured-output constraint")
         self.conversation()
 
+    @property
+    def top_n(self) -> int | None:
+        """Alternatives a generated token's logprobs list (None: no logprobs asked)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     def tool_use(self) -> ToolUse | None:
         try:
             return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)

@@ -429,9 +429,8 @@ class Router:
 
     async def _start_chat(self, tenant: Tenant, body: ChatCompletionRequest) -> tuple[list[Choice], ChatChoices]:
         token_ids = chat_token_ids(self.tokenizer, body.conversation(), body.tool_use())
-        top_n = (body.top_logprobs or 0) if body.logprobs else None
         choices = await start_choices(fork_siblings([self._job(
-            tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, top_n, sibling=j)
+            tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, body.top_n, sibling=j)
             for j in range(body.n)], body.n), body.n, self._start)
         return choices, ChatChoices.for_request(body, self.tokenizer)
 
