@@ -99,6 +99,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
         "scales_from_zero": expected_replicas(config) == 0,
         "scale_for_priority": config.autoscaling.scale_for_priority if config.autoscaling else None,
         "lora": config.engine.lora.model_dump() if config.engine.lora else None,
+        "tool_call_parser": config.engine.tool_call_parser,
         **config.router.model_dump(exclude=set(PolicyConfig.model_fields)),
     }
     engine = config.engine.model_dump(exclude_unset=True)

@@ -111,6 +111,9 @@ class EngineConfig(BaseModel):
     distributed_timeout_s: float = Field(60.0, gt=0)
     speculative_config: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: no adapters
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
+        "auto", description="the format tool calls are written in (vLLM's names); auto: the chat template's "
+                            "(engine/tool_calls/formats.py)")
 
     @model_validator(mode="after")
     def _lora_limits(self) -> "EngineConfig":

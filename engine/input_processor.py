@@ -13,9 +13,10 @@ from kvloom.engine.lora.adapter import AdapterRef
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.request import Request
-from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.sampling import MAX_BAD_WORD_TOKENS, SamplingParams, truncated_prompt
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tool_calls.conversation import chat_token_ids
+from kvloom.engine.tool_calls.tool_format import ToolFormat
 from kvloom.engine.tool_calls.tools import ToolUse
 from kvloom.engine.unicode_text import not_unicode_field
 
@@ -29,8 +30,9 @@ def check_unicode(field: str, value) -> None:
 
 class InputProcessor:
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, eos_token_ids: set[int],
-                 grammars: GrammarCompiler, adapters: LoRARegistry | None = None) -> None:
+                 grammars: GrammarCompiler, tool_format: ToolFormat, adapters: LoRARegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_format = tool_format
         self.adapters = adapters
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -41,7 +43,7 @@ class InputProcessor:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("messages", "this model has no chat template")
         check_unicode("messages", messages)
-        return chat_token_ids(self.tokenizer, messages, tools)
+        return chat_token_ids(self.tokenizer, messages, self.tool_format, tools)
 
     def encode(self, prompt: str) -> list[int]:
         check_unicode("prompt", prompt)
@@ -61,6 +63,7 @@ class InputProcessor:
             token_ids = [operator.index(t) for t in token_ids]
         except TypeError:
             raise InvalidRequestError("prompt", "token ids must be integers") from None
+        token_ids = self._truncated(token_ids, params)
         if not token_ids:
             raise InvalidRequestError("prompt", "must not be empty")
         if len(token_ids) >= self.max_model_len:
@@ -73,10 +76,12 @@ class InputProcessor:
         self.check_vocabulary("prompt", token_ids)
         self.check_vocabulary("logit_bias", params.logit_bias)
         self.check_vocabulary("stop_token_ids", params.stop_token_ids)
+        self.check_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
+        bad_words = self.bad_word_sequences(params.bad_words)
         return Request(
             request_id, token_ids, params, priority=priority,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time, prompt=text,
-            logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids),
+            logits_adjuster=LogitsAdjuster.for_request(params, self.eos_token_ids, bad_words),
             grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
             lora=adapter, cache_namespace=cache_namespace,
         )
@@ -86,6 +91,33 @@ class InputProcessor:
         if self.adapters is None:
             raise AdapterNotFoundError(lora.name)
         return self.adapters.resolve(lora.name, lora.path)
+
+    def _truncated(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens (engine/sampling.py's `truncated_prompt`), before any other check;
+        a length that leaves no room for max_tokens is refused, as vLLM refuses it."""
+        keep, generated = params.truncate_prompt_tokens, params.max_tokens or 1
+        room = self.max_model_len - generated
+        if keep is not None and keep > room:
+            raise InvalidRequestError("truncate_prompt_tokens", f"is {keep}, but max_model_len ({self.max_model_len}) "
+                                      f"less {generated} tokens to generate leaves room for {room}")
+        return truncated_prompt(token_ids, keep, room)
+
+    def bad_word_sequences(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's bad_words as token sequences: each word as it starts a text, and after a space (as it comes
+        mid-text) where that is as many tokens but a different first one."""
+        check_unicode("bad_words", words)
+        sequences = []
+        for word in words:
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not bare:
+                raise InvalidRequestError("bad_words", f"{word!r} has no tokens")
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            sequences += [bare, spaced] if len(spaced) == len(bare) and spaced[0] != bare[0] else [bare]
+        tokens = [token for sequence in sequences for token in sequence]
+        if len(tokens) > MAX_BAD_WORD_TOKENS:
+            raise InvalidRequestError("bad_words", f"come to {len(tokens)} tokens; at most {MAX_BAD_WORD_TOKENS}")
+        self.check_vocabulary("bad_words", tokens)
+        return tuple(sequences)
 
     def _within_room(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
         """max_tokens within what max_model_len leaves (None: all of it), refused as vLLM and OpenAI refuse it

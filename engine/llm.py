@@ -8,8 +8,8 @@ from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.sampling import SamplingParams, StructuredOutputs
-from kvloom.engine.tool_calls import hermes
-from kvloom.engine.tool_calls.tools import parse_tool_choice, parse_tools, tool_use
+from kvloom.engine.tool_calls.tool_format import ToolFormat
+from kvloom.engine.tool_calls.tools import parse_tool_choice, parse_tools
 from kvloom.kernels.item_pool import torch_threads
 
 
@@ -24,6 +24,11 @@ class LLM:
         with torch_threads(torch.get_num_threads()):
             self.engine = LLMEngine(EngineConfig(**engine_kwargs))
             self.step_threads = torch.get_num_threads()  # as the engine set this thread up for its steps
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        """The format tool calls are written in (`tool_call_parser`): its `parse` reads them from an output."""
+        return self.engine.inputs.tool_format
 
     def generate(
         self,
@@ -64,12 +69,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or several, as vLLM takes them. With `tools` (OpenAI's form) the
         server's tool calling applies: the tools reach the template, calls are constrained to their schemas; read
-        them from an output's text with `kvloom.engine.tool_calls.hermes.parse`."""
+        them from an output's text with the engine's format: `llm.tool_format.parse(text)`."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        use = tool_use(parse_tools(tools) if tools else None, parse_tool_choice(tool_choice), parallel_tool_calls)
+        use = self.tool_format.tool_use(parse_tools(tools) if tools else None, parse_tool_choice(tool_choice),
+                                        parallel_tool_calls)
         prompts = [self.engine.apply_chat_template(messages, use) for messages in conversations]
         if use is not None:
             params = (params or SamplingParams()).model_copy(update={"structured_outputs": StructuredOutputs(
-                structural_tag=hermes.structural_tag(use), field="tools")})
+                structural_tag=self.tool_format.structural_tag(use), field="tools")})
         return self.generate(prompts, params, use_tqdm)

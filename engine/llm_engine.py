@@ -11,7 +11,6 @@ import time
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.counter_draws import seed_words
-from kvloom.engine.detokenizer import token_decoder
 from kvloom.engine.engine_stats import EngineStats
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
@@ -37,6 +36,7 @@ from kvloom.engine.speculation.speculative import SpecDecodeStats, build_specula
 from kvloom.engine.startup_times import StartupTimes
 from kvloom.engine.structured_output import GrammarCompiler
 from kvloom.engine.tensor_parallel.tp_runner import start_tensor_parallel
+from kvloom.engine.tool_calls.formats import tool_format
 from kvloom.engine.tool_calls.tools import ToolUse
 from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
@@ -68,8 +68,10 @@ class LLMEngine:
         self.adapters = (LoRARegistry(config.lora, self.model_config, self.dtype,
                                       for_cpu_op=runs_on_cpu_op(self.device, self.dtype)) if config.lora else None)
         self.inputs = InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, self.eos_token_ids,
-                                     self.grammars, self.adapters)
-        self.outputs = OutputProcessor(token_decoder(self.tokenizer), self.eos_token_ids, self.max_model_len)
+                                     self.grammars, tool_format(config.tool_call_parser,
+                                                                getattr(self.tokenizer, "chat_template", None)),
+                                     self.adapters)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.block_size = config.block_size
         if config.tensor_parallel_size == 1:  # loaded first: a CUDA budget is profiled on it
             with self.startup.phase("weights"):

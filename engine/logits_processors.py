@@ -1,5 +1,5 @@
 """What a request asks to change in its row of logits before a token is chosen: the OpenAI penalties and
-logit_bias, vLLM's repetition_penalty and min_tokens.
+logit_bias, vLLM's repetition_penalty, min_tokens, bad_words and allowed_token_ids.
 
 Built once per request, and only for a request that asks for one of them, so a batch of plain requests
 pays one `is None` per row. The sampler hands the rows that are adjusted (widened to float32; the batch's
@@ -8,7 +8,7 @@ gets back stay the model's own, as vLLM returns by default.
 """
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,21 +24,40 @@ class LogitsAdjuster:
     bias: tuple[tuple[int, float], ...]  # logit_bias: (token id, value added)
     min_tokens: int
     end_token_ids: tuple[int, ...]  # banned while the output is shorter than min_tokens
+    # vLLM's bad_words: each word's token sequences; a sequence's last token is banned where the output ends with
+    # the rest of it (a one-token word: always)
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # vLLM's: every other token banned
+    _banned_masks: dict = field(default_factory=dict, compare=False, repr=False)  # see `banned_by_allowed`
 
     @classmethod
-    def for_request(cls, params: SamplingParams, eos_token_ids: set[int]) -> "LogitsAdjuster | None":
-        """None when the request asks for nothing this class does."""
+    def for_request(cls, params: SamplingParams, eos_token_ids: set[int],
+                    bad_words: tuple[tuple[int, ...], ...] = ()) -> "LogitsAdjuster | None":
+        """None when the request asks for nothing this class does. `bad_words`: the request's bad words as token
+        sequences (InputProcessor.bad_word_sequences: only it has the tokenizer)."""
         ends = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        allowed = params.allowed_token_ids
         adjuster = cls(
             params.repetition_penalty, params.presence_penalty, params.frequency_penalty,
-            tuple(sorted(params.logit_bias.items())), params.min_tokens, tuple(sorted(ends)),
+            tuple(sorted(params.logit_bias.items())), params.min_tokens, tuple(sorted(ends)), bad_words,
+            None if allowed is None else tuple(sorted(set(allowed))),
         )
         return adjuster if adjuster.active else None
+
+    def banned_by_allowed(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """True for each token allowed_token_ids leaves out: bool [vocab], built on `device` once per request, so a
+        long list costs its steps nothing more than a short one."""
+        if device not in self._banned_masks:
+            mask = torch.ones(vocab, dtype=torch.bool)
+            mask[list(self.allowed_token_ids)] = False
+            self._banned_masks[device] = to_device(mask, device)
+        return self._banned_masks[device]
 
     @property
     def active(self) -> bool:
         return bool(self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
-                    or self.bias or (self.min_tokens and self.end_token_ids))
+                    or self.bias or (self.min_tokens and self.end_token_ids) or self.bad_words
+                    or self.allowed_token_ids is not None)
 
 
 def adjust_rows(logits: torch.Tensor, requests: list) -> None:
@@ -68,9 +87,22 @@ def adjust_rows(logits: torch.Tensor, requests: list) -> None:
         logits.index_put_((rows, tokens), values, accumulate=True)
     banned = [(row, token) for row, a, tokens, prompt in adjusted
               if len(tokens) - prompt < a.min_tokens for token in a.end_token_ids]
+    banned += [(row, word[-1]) for row, a, tokens, prompt in adjusted for word in a.bad_words
+               if _completes(tokens, prompt, word)]
     if banned:
         rows, tokens = _columns(banned, device)
         logits[rows, tokens] = float("-inf")
+    limited = [(row, a) for row, a, _, _ in adjusted if a.allowed_token_ids is not None]
+    if limited:
+        rows = to_device(torch.tensor([row for row, _ in limited]), device)
+        banned_rows = torch.stack([a.banned_by_allowed(logits.shape[-1], device) for _, a in limited])
+        logits[rows] = logits[rows].masked_fill(banned_rows, float("-inf"))
+
+
+def _completes(tokens: list[int], prompt: int, word: tuple[int, ...]) -> bool:
+    """Whether the output (`tokens` past the first `prompt`) ends with all of `word` but its last token."""
+    start = len(tokens) - len(word) + 1
+    return start >= prompt and tuple(tokens[start:]) == word[:-1]
 
 
 def _columns(rows: list[tuple], device: torch.device) -> list[torch.Tensor]:

@@ -1,31 +1,35 @@
 """From sampled tokens to what a caller sees: stop checks token by token, incremental text, `RequestOutput`s.
 
 A step may bring a request several tokens (speculation): each is checked in turn and the ones after a stop are
-dropped. Text is detokenized incrementally, and held back while it could still become a stop string.
+dropped. Text is detokenized incrementally, and held back while it could still become a stop string. As in vLLM, a
+stop or EOS token's text is left out unless the request asks for `include_stop_str_in_output`.
 """
 
 import time
 from collections.abc import Callable
 
-from kvloom.engine.detokenizer import IncrementalDetokenizer
+from kvloom.engine.detokenizer import IncrementalDetokenizer, token_decoder
 from kvloom.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvloom.engine.request import Request, RequestStatus
 from kvloom.engine.sampler import SampledToken
 
 
 class OutputProcessor:
-    def __init__(self, decode_tokens: Callable[[list[int]], str], eos_token_ids: set[int],
-                 max_model_len: int) -> None:
-        self.decode_tokens = decode_tokens
+    def __init__(self, tokenizer, eos_token_ids: set[int], max_model_len: int) -> None:
+        # token ids to text, by skip_special_tokens
+        self.decoders: dict[bool, Callable[[list[int]], str]] = {skip: token_decoder(tokenizer, skip)
+                                                                 for skip in (True, False)}
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.detokenizers: dict[str, IncrementalDetokenizer] = {}
 
     def track(self, request: Request) -> None:
         """Start a request's text (from its tokens so far: an imported decode has the prompt and first token)."""
-        if request.sampling_params.detokenize:
+        params = request.sampling_params
+        if params.detokenize:
             self.detokenizers[request.request_id] = IncrementalDetokenizer(
-                self.decode_tokens, request.token_ids, request.sampling_params.stop)
+                self.decoders[params.skip_special_tokens], request.token_ids, params.stop,
+                params.include_stop_str_in_output)
 
     def replay(self, request: Request, output_token_ids: list[int], emitted_chars: int) -> None:
         """Take up an output another engine began: its tokens become this request's own, the client already
@@ -61,12 +65,12 @@ class OutputProcessor:
         """Whether the output ends at `token_id`, its `num_output`-th token."""
         params = request.sampling_params
         if request.grammar is not None and request.grammar.accept(token_id):
-            return RequestStatus.FINISHED_STOPPED  # the grammar ends on an end token, which is not text
+            return self._stopped_on_token(request, token_id)  # the grammar ends on an end token
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
+            return self._stopped_on_token(request, token_id)
         if not params.ignore_eos and token_id in self.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
+            return self._stopped_on_token(request, token_id)
         detok = self.detokenizers.get(request.request_id)
         if detok is not None:
             stop = detok.add_token(token_id, check_stop=num_output >= params.min_tokens)
@@ -76,6 +80,15 @@ class OutputProcessor:
         if num_output >= params.max_tokens or request.num_prompt_tokens + num_output >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _stopped_on_token(self, request: Request, token_id: int) -> RequestStatus:
+        """The output ends on a token rather than on text: the token's text is left out, unless the request asks for
+        include_stop_str_in_output (vLLM's: then it is decoded as any other, a special token's text skipped unless
+        skip_special_tokens is off)."""
+        detok = self.detokenizers.get(request.request_id)
+        if detok is not None and request.sampling_params.include_stop_str_in_output:
+            detok.add_token(token_id, check_stop=False)
+        return RequestStatus.FINISHED_STOPPED
 
     def output(self, request: Request, new_tokens: list[int]) -> RequestOutput:
         """The request as it stands after this step; a finished request's text is released whole and its

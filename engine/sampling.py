@@ -13,7 +13,7 @@ class StructuredOutputs(BaseModel):
     json_object: bool = False  # the output is any JSON object
     regex: str | None = None  # the output matches this regular expression
     choice: list[str] | None = None  # the output is one of these strings
-    structural_tag: dict[str, Any] | None = None  # xgrammar's structural tag (tool calls: tool_calls/hermes.py)
+    structural_tag: dict[str, Any] | None = None  # xgrammar's structural tag (tool calls: tool_calls/tool_format.py)
     field: str = "structured_outputs"  # the request field that asked for it, named in errors
 
     @model_validator(mode="after")
@@ -25,6 +25,11 @@ class StructuredOutputs(BaseModel):
         if self.choice is not None and not self.choice:
             raise ValueError("choice must list at least one string")
         return self
+
+
+# vLLM's bounds on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): each is checked every step
+MAX_BAD_WORDS = 128  # words per request
+MAX_BAD_WORD_TOKENS = 1024  # their token sequences' length, all together
 
 
 class SamplingParams(BaseModel):
@@ -49,6 +54,15 @@ class SamplingParams(BaseModel):
                                                                        "top alternatives (engine/prompt_logprobs.py)")
     detokenize: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's
+    include_stop_str_in_output: bool = Field(False, description="a stop string stays at the end of the text, and a "
+                                                                "stop or EOS token's text too")
+    skip_special_tokens: bool = Field(True, description="False: special tokens' text is in the output")
+    bad_words: list[str] = Field(default_factory=list, max_length=MAX_BAD_WORDS,
+                                 description="never generated (its token sequences: InputProcessor.bad_word_sequences)")
+    allowed_token_ids: list[int] | None = Field(None, min_length=1, description="only these may be sampled")
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, description="keep the prompt's last this many tokens (-1: "
+                                                                        "all that leave room for max_tokens)")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -62,6 +76,13 @@ class SamplingParams(BaseModel):
     def _no_empty_stop(cls, value: list[str]) -> list[str]:
         if any(not s for s in value):
             raise ValueError("stop strings must be non-empty")
+        return value
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_a_token(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise ValueError("must be at least 1, or -1 (as many as fit)")
         return value
 
     @field_validator("logit_bias")
@@ -83,3 +104,10 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def truncated_prompt(token_ids: list[int], keep: int | None, room: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (left truncation; -1: `room` of them, what
+    max_model_len leaves once max_tokens are set aside), the whole prompt where it is not longer."""
+    keep = room if keep == -1 else keep
+    return token_ids[-keep:] if keep is not None and 0 < keep < len(token_ids) else token_ids

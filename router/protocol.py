@@ -10,13 +10,15 @@ import json
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from kvloom.engine.config import ADAPTER_NAME
 from kvloom.engine.errors import InvalidRequestError
-from kvloom.engine.sampling import SamplingParams, StructuredOutputs
-from kvloom.engine.tool_calls import hermes
-from kvloom.engine.tool_calls.tools import Tool, ToolCall, ToolChoice, ToolUse, tool_use
+from kvloom.engine.sampling import SamplingParams, StructuredOutputs, truncated_prompt
+from kvloom.engine.tool_calls.formats import FORMATS
+from kvloom.engine.tool_calls.tool_format import ToolFormat
+from kvloom.engine.tool_calls.tools import Tool, ToolCall, ToolChoice, ToolUse
 
 # Fields of OpenAI's or vLLM's API that change what is generated and that kvloom does not implement.
 REFUSED_FIELDS = {
@@ -24,13 +26,10 @@ REFUSED_FIELDS = {
     "use_beam_search": "beam search is not supported", "length_penalty": "beam search is not supported",
     "guided_grammar": "grammars are not supported (JSON schemas, regular expressions and choices are)",
     "guided_whitespace_pattern": "not supported", "guided_decoding_backend": "not supported",
-    "include_stop_str_in_output": "not supported", "bad_words": "not supported", "allowed_token_ids": "not supported",
-    "truncate_prompt_tokens": "not supported", "skip_special_tokens": "not supported",
     "audio": "audio output is not supported", "modalities": "only text output is supported",
 }
 # Values of those fields (besides null) that ask for what kvloom does anyway: clients often send defaults.
-DEFAULT_VALUES = {"use_beam_search": False, "include_stop_str_in_output": False, "skip_special_tokens": True,
-                  "modalities": ["text"]}
+DEFAULT_VALUES = {"use_beam_search": False, "modalities": ["text"]}
 
 
 MAX_CHOICES = 64  # choices (prompts times n) in one request: beyond, send several requests
@@ -155,6 +154,12 @@ class _Common(LenientBody):
     priority: int | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: each prompt token's logprob and top alternatives
     cache_salt: str | None = Field(None, min_length=1, max_length=1024)  # vLLM's: a prefix cache within the tenant's
+    # vLLM's, as SamplingParams takes them (which checks them)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)  # -1: as many as leave room for max_tokens
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -204,7 +209,16 @@ class _Common(LenientBody):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias or {},
             prompt_logprobs=self.wanted_prompt_logprobs() if seed_offset == 0 else None,  # later choices fork its KV
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            bad_words=self.bad_words or [], allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+    def truncated(self, token_ids: list[int], max_model_len: int, max_tokens: int | None) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens by the router already, so that quotas, routing and echo's logprobs
+        see the prompt the engine runs (the engine cuts it the same way: engine/input_processor.py); -1 waits for a
+        replica's max_model_len to be known (0 until then)."""
+        return truncated_prompt(token_ids, self.truncate_prompt_tokens, max_model_len - (max_tokens or 1))
 
     def wanted_prompt_logprobs(self) -> int | None:
         return self.prompt_logprobs
@@ -234,6 +248,12 @@ class CompletionRequest(_Common):
         if self.suffix:
             raise UnsupportedFieldError("suffix", "suffix is not supported")
         self.prompts()
+
+    def truncated(self, token_ids: list[int], max_model_len: int, max_tokens: int | None) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens by the router already, so that quotas, routing and echo's logprobs
+        see the prompt the engine runs (the engine cuts it the same way: engine/input_processor.py); -1 waits for a
+        replica's max_model_len to be known (0 until then)."""
+        return truncated_prompt(token_ids, self.truncate_prompt_tokens, max_model_len - (max_tokens or 1))
 
     def wanted_prompt_logprobs(self) -> int | None:
         """`echo` with `logprobs` shows the prompt's logprobs too."""
@@ -325,12 +345,24 @@ class ChatCompletionRequest(_Common):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    _tool_format: ToolFormat = PrivateAttr(default_factory=lambda: FORMATS["hermes"])
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self) -> "ChatCompletionRequest":
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
         return self
+
+    @model_validator(mode="after")
+    def _server_tool_format(self, info: ValidationInfo) -> "ChatCompletionRequest":
+        """The server's tool-call format, given as validation context (`{"tool_format": ...}`)."""
+        if info.context and "tool_format" in info.context:
+            self._tool_format = info.context["tool_format"]
+        return self
+
+    @property
+    def tool_format(self) -> ToolFormat:
+        return self._tool_format
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -345,7 +377,7 @@ class ChatCompletionRequest(_Common):
 
     def tool_use(self) -> ToolUse | None:
         try:
-            return tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
+            return self._tool_format.tool_use(self.tools, self.tool_choice, self.parallel_tool_calls)
         except InvalidRequestError as exc:
             raise UnsupportedFieldError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
 
@@ -357,7 +389,7 @@ class ChatCompletionRequest(_Common):
         if (use := self.tool_use()) is None:
             return params
         return params.model_copy(update={"structured_outputs": StructuredOutputs(
-            structural_tag=hermes.structural_tag(use), field="tools")})
+            structural_tag=self._tool_format.structural_tag(use), field="tools")})
 
 
 class TokenizeRequest(LenientBody):

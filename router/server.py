@@ -28,6 +28,7 @@ from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.model.model_files import resolve_model_dir
 from kvloom.engine.tool_calls.conversation import chat_token_ids
+from kvloom.engine.tool_calls.formats import tool_format
 from kvloom.replicas.messages import Chunk, ReplicaStats, RouterView, SubmitRequest
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.router.adapter_ledger import open_ledger
@@ -38,6 +39,7 @@ from kvloom.router.channels import ReplicaChannels, ReplicaGone
 from kvloom.router.chat_choices import ChatChoices
 from kvloom.router.completion_choices import CompletionChoices
 from kvloom.router.request_bodies import json_body
+from kvloom.router.openapi import RequestBodies
 from kvloom.router.openai_responses.endpoint import ResponsesEndpoint, as_responses_error
 from kvloom.router.openai_responses.request import ResponsesRequest
 from kvloom.router.openai_responses.store import open_store
@@ -82,6 +84,7 @@ class RouterSettings(BaseModel):
     scales_from_zero: bool = False  # no replica running is a state the deployment rests in, not "not ready"
     scale_for_priority: int | None = None  # the worst priority class whose queued requests are scaling backlog
     lora: dict | None = None  # the engines' LoRAConfig: the adapters requests may name
+    tool_call_parser: str = "auto"  # the engines' (engine/tool_calls/formats.py)
     deployment_id: str | None = None  # one per deployment of the app; a router Serve restarts keeps it
 
 
@@ -93,6 +96,7 @@ class TenancySettings(PolicyConfig):
 
 
 api = FastAPI(title="kvloom", description="OpenAI-compatible LLM serving")
+bodies = RequestBodies(api)  # each POST route names its JSON body's model for /openapi.json
 
 
 @api.exception_handler(StarletteHTTPException)
@@ -131,6 +135,7 @@ class Router:
         bind_http_with_reusable_address()  # Serve binds this replica's direct-ingress port once __init__ returns
         self.settings = RouterSettings(**settings)
         self.tokenizer = load_fast_tokenizer(resolve_model_dir(self.settings.model))
+        self.tool_format = tool_format(self.settings.tool_call_parser, self.tokenizer.chat_template)
         lora = LoRAConfig(**self.settings.lora) if self.settings.lora else None
         ledger = (open_ledger(serve.get_replica_context().app_name, self.settings.deployment_id)
                   if lora is not None and self.settings.deployment_id else None)
@@ -240,7 +245,7 @@ class Router:
 
     def _validated(self, body: dict, schema):
         try:
-            parsed = schema.model_validate(body)
+            parsed = schema.model_validate(body, context={"tool_format": self.tool_format})
             parsed.check_supported()
         except ValidationError as exc:
             raise validation_error(exc.errors()) from exc
@@ -354,7 +359,7 @@ class Router:
               for name, path in sorted(self.adapters.served().items()))]}
 
     # ---- LoRA adapters at run time (vLLM's endpoints and shapes) -------------------------------
-    @api.post("/v1/load_lora_adapter")
+    @api.post("/v1/load_lora_adapter", openapi_extra=bodies.of(LoadAdapterRequest))
     async def load_lora_adapter(self, request: Request):
         """Register an adapter by name and directory (admin key); a replica reads and checks it first, so one
         that does not fit the base model is a 400 here, not a failure on its first request."""
@@ -374,7 +379,7 @@ class Router:
         await self.adapters.register(body.lora_name, body.lora_path)
         return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.", media_type="text/plain")
 
-    @api.post("/v1/unload_lora_adapter")
+    @api.post("/v1/unload_lora_adapter", openapi_extra=bodies.of(UnloadAdapterRequest))
     async def unload_lora_adapter(self, request: Request):
         """Forget an adapter loaded by name (admin key): new requests for it get 404; running ones finish."""
         try:
@@ -385,7 +390,7 @@ class Router:
             return exc.response()
         return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.", media_type="text/plain")
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=bodies.of(CompletionRequest))
     async def completions(self, request: Request):
         try:
             tenant = self._tenant(request)
@@ -393,6 +398,8 @@ class Router:
             per_prompt = body.candidates  # n, or best_of to rank by likelihood
             texts = [text for text in body.prompts() for _ in range(per_prompt)]  # OpenAI: choice i*n+j
             prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in texts]
+            room = self.table.max_model_len()
+            prompts = [body.truncated(ids, room, body.max_tokens or 16) for ids in prompts]
             ranked = per_prompt > body.n
             token_logprobs = body.logprobs if not ranked else body.logprobs or 0  # ranking reads the chosen ones
             choices = await start_choices(fork_siblings([self._job(
@@ -413,7 +420,7 @@ class Router:
             choice, "".join(c.text for c in chunks), *joined(chunks), first=True),
             keep=(lambda done: most_likely(done, per_prompt, body.n)) if ranked else None)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=bodies.of(ChatCompletionRequest))
     async def chat_completions(self, request: Request):
         try:
             tenant = self._tenant(request)
@@ -428,13 +435,14 @@ class Router:
         return await collect_response({**head, "object": "chat.completion"}, choices, written.message)
 
     async def _start_chat(self, tenant: Tenant, body: ChatCompletionRequest) -> tuple[list[Choice], ChatChoices]:
-        token_ids = chat_token_ids(self.tokenizer, body.conversation(), body.tool_use())
-        choices = await start_choices(fork_siblings([self._job(
-            tenant, body, token_ids, body.max_completion_tokens or body.max_tokens, body.top_n, sibling=j)
+        token_ids = chat_token_ids(self.tokenizer, body.conversation(), self.tool_format, body.tool_use())
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        token_ids = body.truncated(token_ids, self.table.max_model_len(), max_tokens)
+        choices = await start_choices(fork_siblings([self._job(tenant, body, token_ids, max_tokens, body.top_n, sibling=j)
             for j in range(body.n)], body.n), body.n, self._start)
         return choices, ChatChoices.for_request(body, self.tokenizer)
 
-    @api.post("/v1/responses")
+    @api.post("/v1/responses", openapi_extra=bodies.of(ResponsesRequest))
     async def create_response(self, request: Request):
         try:
             tenant = self._tenant(request)
@@ -451,20 +459,18 @@ class Router:
 
     @api.get("/v1/responses/{response_id}")
     async def get_response(self, request: Request, response_id: str):
-        try:
-            return await self.responses.get(response_id, self._tenant(request).name)
-        except APIError as exc:
-            return exc.response()
+        return await self.responses.answer("get", response_id, lambda: self._tenant(request).name)
 
     @api.delete("/v1/responses/{response_id}")
     async def delete_response(self, request: Request, response_id: str):
-        try:
-            return await self.responses.delete(response_id, self._tenant(request).name)
-        except APIError as exc:
-            return exc.response()
+        return await self.responses.answer("delete", response_id, lambda: self._tenant(request).name)
+
+    @api.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(self, request: Request, response_id: str):
+        return await self.responses.answer("cancel", response_id, lambda: self._tenant(request).name)
 
     # ---- vLLM's token endpoints ---------------------------------------------------------------
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=bodies.of(TokenizeRequest))
     async def tokenize(self, request: Request):
         try:
             self._tenant(request)
@@ -472,13 +478,14 @@ class Router:
         except APIError as exc:
             return exc.response()
         if body.messages is not None:
-            tokens = chat_token_ids(self.tokenizer, body.conversation(), add_generation_prompt=body.add_generation_prompt)
+            tokens = chat_token_ids(self.tokenizer, body.conversation(), self.tool_format,
+                                    add_generation_prompt=body.add_generation_prompt)
         else:
             tokens = self.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.table.max_model_len() or None, "tokens": tokens,
                 "token_strs": self.tokenizer.convert_ids_to_tokens(tokens) if body.return_token_strs else None}
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=bodies.of(DetokenizeRequest))
     async def detokenize(self, request: Request):
         try:
             self._tenant(request)

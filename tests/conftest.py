@@ -309,6 +309,31 @@ def deploy_app():
     return deploy
 
 
+def router_pid(app_name: str = "kvloom") -> int | None:
+    import ray._private.state as ray_state
+
+    return next((a["Pid"] for a in ray_state.actors(actor_state_name="ALIVE").values()
+                 if a["Name"].startswith(f"SERVE_REPLICA::{app_name}#Router#")), None)
+
+
+def kill_router(ready, timeout_s: float = 120) -> None:
+    """SIGKILL the router's process and wait for the one Serve starts in its place to be `ready()`."""
+    import signal
+    import time
+
+    killed = router_pid()
+    os.kill(killed, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while router_pid() in (killed, None) or not ready():
+        assert time.monotonic() < deadline, "the router did not come back"
+        time.sleep(0.25)
+
+
+@pytest.fixture(scope="session")
+def router_killer():
+    return kill_router
+
+
 def start_serve(directory: Path, config_text: str, *args: str):
     """`kvloom serve` on `config_text` (written into `directory`), in its own session and its own Ray cluster (not
     the tests' one); returns the process and the file its console goes to."""

@@ -3,7 +3,8 @@
 Counter-based draws are uniform, and a row's draw depends on (seed, position, lane) alone. A batch of rows
 with different temperatures, top-k and top-p draws each row from its own filtered distribution (chi-square
 over many positions), and a seeded row gets the same token whatever its neighbours, their number and order.
-The penalties, logit_bias and min_tokens applied to a batch at once equal each row adjusted alone.
+The penalties, logit_bias, min_tokens and allowed_token_ids applied to a batch at once equal each row adjusted
+alone.
 """
 
 import random
@@ -99,8 +100,9 @@ def test_a_batch_adjusted_at_once_equals_each_row_adjusted_alone():
               SamplingParams(logit_bias={3: 5.0, 7: -100.0}), SamplingParams(min_tokens=4, max_tokens=8),
               SamplingParams(repetition_penalty=0.6, frequency_penalty=-1.0, logit_bias={0: 2.0}, min_tokens=3,
                              max_tokens=20),
+              SamplingParams(allowed_token_ids=[9, 3, 30], logit_bias={3: 4.0}),
               SamplingParams()]
-    outputs = [2, 5, 1, 3, 4, 0]  # row 3 is below its min_tokens, row 4 past it
+    outputs = [2, 5, 1, 3, 4, 2, 0]  # row 3 is below its min_tokens, row 4 past it
     batch = [request(p, seed=0, outputs=n, prompt=(4, 4, 9, 30)) for p, n in zip(params, outputs)]
     logits = torch.randn(len(params), VOCAB)
     together = logits.clone()
@@ -112,6 +114,8 @@ def test_a_batch_adjusted_at_once_equals_each_row_adjusted_alone():
     assert torch.equal(together[-1], logits[-1])  # a row with nothing to adjust
     assert together[3, 0] == float("-inf") and together[4, 0] > float("-inf")  # EOS (token 0) held back, then not
     assert together[2, 7] < logits[2, 7] - 99
+    allowed = together[5] > float("-inf")
+    assert allowed.nonzero().flatten().tolist() == [3, 9, 30] and together[5, 3] == logits[5, 3] + 4.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -45,3 +45,11 @@ def test_chat_takes_one_conversation_or_several_and_names_text_that_is_not_unico
     with pytest.raises(InvalidRequestError) as info:
         llm.chat([{"role": "user", "content": "hi \udc80"}], GREEDY)
     assert info.value.field == "messages" and "not valid Unicode" in str(info.value)
+
+
+def test_vllms_prompt_and_token_fields_apply_offline_too(tiny_llm):
+    """truncate_prompt_tokens keeps the prompt's last tokens; allowed_token_ids less a bad word leaves one token."""
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, truncate_prompt_tokens=2,
+                            allowed_token_ids=[7, 9], bad_words=["w9"])
+    (out,) = tiny_llm.generate("w5 w6 w7 w8", params)
+    assert out.prompt_token_ids == [7, 8] and out.outputs[0].token_ids == [7] * 4

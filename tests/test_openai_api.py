@@ -95,6 +95,70 @@ def test_seeded_sampling_is_reproducible(client):
     assert runs[0].choices[0].text == runs[1].choices[0].text
 
 
+# ---- vLLM's output fields: bad_words, allowed_token_ids, include_stop_str_in_output, skip_special_tokens, and
+# truncate_prompt_tokens -------------------------------------------------------------------------------------------
+def test_bad_words_and_allowed_token_ids_are_the_engines(client, offline, plain_greedy):
+    plain = plain_greedy.token_ids
+    tokenizer = offline.tokenizer
+    # a word of the plain output that is one token with its leading space and one without: banned, it never comes
+    banned = next(t for t in plain if (w := tokenizer.decode([t])).startswith(" ") and w[1:].isalpha()
+                  and tokenizer.encode(w, add_special_tokens=False) == [t]
+                  and len(tokenizer.encode(w[1:], add_special_tokens=False)) == 1)
+    word = tokenizer.decode([banned]).strip()
+    allowed = sorted(set(plain[::2]))
+    assert not set(plain) <= set(allowed)
+    for knobs in ({"bad_words": [word]}, {"allowed_token_ids": allowed}):
+        got = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=40, temperature=0,
+                                        extra_body={"ignore_eos": True, **knobs}).choices[0].text
+        want = offline_output(offline, PROMPTS[0], max_tokens=40, ignore_eos=True, **knobs)
+        assert got == want.text != plain_greedy.text
+        if "bad_words" in knobs:
+            assert banned not in want.token_ids
+        else:
+            assert set(want.token_ids) <= set(allowed)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_streamed_or_not(client, base, plain_greedy):
+    text = plain_greedy.text
+    stop = text.split()[3]
+    body = {"model": "smollm2", "prompt": PROMPTS[0], "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+            "stop": [stop], "include_stop_str_in_output": True}
+    whole = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["text"] == text[: text.index(stop) + len(stop)] and whole["finish_reason"] == "stop"
+    streamed = "".join(e["choices"][0]["text"] for e in sse_events(base, "/v1/completions", body))
+    assert streamed == whole["text"]
+    cut = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True}).choices[0].text
+    assert cut == text[: text.index(stop)]
+
+
+def test_skip_special_tokens_off_shows_special_tokens_and_with_include_stop_str_the_eos(client, base):
+    plain = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=20, temperature=0).choices[0]
+    assert plain.finish_reason == "stop"
+    body = {"model": "smollm2", "messages": QUESTION, "max_tokens": 20, "temperature": 0,
+            "include_stop_str_in_output": True, "skip_special_tokens": False}
+    whole = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert whole["message"]["content"] == plain.message.content + "<|im_end|>"
+    events = sse_events(base, "/v1/chat/completions", body)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == whole["message"]["content"]
+    kept = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3, extra_body={
+        "logit_bias": {"0": 100}, "ignore_eos": True, "skip_special_tokens": False}).choices[0].text
+    assert kept == "<|endoftext|>" * 3
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_on_both_endpoints(client, offline):
+    ids = offline.encode(PROMPTS[1])
+    got = client.completions.create(model="smollm2", prompt=PROMPTS[1], max_tokens=6, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 4})
+    assert got.usage.prompt_tokens == 4 < len(ids)
+    assert got.choices[0].text == offline_output(offline, ids[-4:], max_tokens=6).text
+    chat_ids = offline.apply_chat_template(QUESTION)
+    chat = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=6, temperature=0,
+                                          extra_body={"truncate_prompt_tokens": 9})
+    assert chat.usage.prompt_tokens == 9 < len(chat_ids)
+    assert chat.choices[0].message.content == offline_output(offline, chat_ids[-9:], max_tokens=6).text
+
+
 # ---- logprobs ----------------------------------------------------------------------------------
 def test_completion_logprobs_are_the_engines(client, offline):
     result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
@@ -207,10 +271,10 @@ def test_prompt_logprobs_on_completions_and_chat_are_vllms_shape(client, offline
 
 def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refused(client, base):
     result = client.completions.create(model="smollm2", prompt=PROMPTS[0], max_tokens=3, extra_body={
-        "metadata": {"team": "a"}, "store": False, "vendor_x": 1, "skip_special_tokens": True,
-        "include_stop_str_in_output": False})  # the last two: what kvloom does anyway
+        "metadata": {"team": "a"}, "store": False, "vendor_x": 1, "use_beam_search": False,
+        "modalities": ["text"]})  # the last two: what kvloom does anyway
     assert result.choices[0].text
-    for field, value in [("use_beam_search", True), ("guided_grammar", "root ::= \"a\""), ("skip_special_tokens", False)]:
+    for field, value in [("use_beam_search", True), ("guided_grammar", "root ::= \"a\""), ("length_penalty", 0.5)]:
         response = httpx.post(f"{base}/v1/completions", timeout=60,
                               json={"model": "smollm2", "prompt": "hi", field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field
@@ -221,6 +285,9 @@ def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refuse
     ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_tokens": 20, "max_tokens": 10}, "min_tokens"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt": ["a"] * 65}, "prompt"), ({"seed": 2**63}, "seed"),
+    ({"allowed_token_ids": [999999]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"bad_words": [" "]}, "bad_words"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 1020}, "truncate_prompt_tokens"),  # max_model_len 1024 less max_tokens 16: 1008
 ])
 def test_bad_values_get_a_400_naming_the_field(base, body, param):
     response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)

@@ -1,6 +1,7 @@
 """Prompt logprobs: each prompt token's logprob equals transformers' log-softmax over the prompt (float32, a tiny
-random Llama), whether the prompt is computed whole, in chunks of a few tokens, or after the same prompt filled the
-prefix cache (a request that asks computes its prompt again); ranks are exact; requests that do not ask get none."""
+random Llama), whether the prompt is computed whole, in chunks of a few tokens, after the same prompt filled the
+prefix cache (a request that asks computes its prompt again), or over two tensor-parallel ranks; ranks are exact;
+requests that do not ask get none."""
 
 import pytest
 import torch
@@ -39,3 +40,15 @@ def test_prompt_logprobs_equal_transformers_whole_chunked_and_after_a_prefix_cac
             for value, alternative in zip(top.values.tolist(), top.indices.tolist()):
                 assert entry[alternative] == pytest.approx(value, abs=1e-4)
             assert len(entry) == wanted + (token not in top.indices.tolist())  # the token and its top alternatives
+
+
+def test_prompt_logprobs_with_tensor_parallelism_equal_transformers(tiny_model_dir, expected):
+    llm = LLM(str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256,
+              tensor_parallel_size=2, max_num_batched_tokens=16, max_num_seqs=4)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2))[0]
+    assert out.prompt_logprobs[0] is None
+    for position in range(1, len(PROMPT)):
+        rank, entry = out.prompt_logprobs[position]
+        row, token = expected[position - 1], PROMPT[position]
+        assert entry[token] == pytest.approx(row[token].item(), abs=1e-4)
+        assert rank == int((row > row[token]).sum()) + 1

@@ -1,10 +1,12 @@
 """OpenAI's Responses API over real HTTP to a real Serve deployment of SmolLM2, with two tenants, driven by the
 `openai` client and the openai-agents SDK (through chat completions and through this API): a response says what the same chat completion says, streamed as
 OpenAI's events; tool calls become function_call items whose outputs continue the conversation under
-`previous_response_id`; stored responses belong to their tenant; bad input is a 4xx naming the field."""
+`previous_response_id`; stored responses belong to their tenant and outlive the router; background responses are
+polled and cancelled; bad input is a 4xx naming the field."""
 
 import asyncio
 import json
+import time
 
 import httpx
 import jsonschema
@@ -83,7 +85,10 @@ def test_a_function_call_and_its_output_continue_under_previous_response_id_and_
     ({"tools": [ADD], "tool_choice": {"type": "function", "name": "missing"}}, 400, "tool_choice"),
     ({"input": [{"type": "function_call_output", "output": "5"}]}, 400, "input"),
     ({"max_output_tokens": 0}, 400, "max_output_tokens"),
-], ids=["unknown-previous", "parameters-not-a-schema", "named-not-in-tools", "output-without-call-id", "zero-tokens"])
+    ({"background": True, "stream": True}, 400, "background"),
+    ({"background": True, "store": False}, 400, "background"),
+], ids=["unknown-previous", "parameters-not-a-schema", "named-not-in-tools", "output-without-call-id", "zero-tokens",
+        "background-streamed", "background-unstored"])
 def test_bad_input_is_a_4xx_naming_the_field(base, body, status, field):
     response = httpx.post(f"{base}/v1/responses", timeout=60, headers={"Authorization": "Bearer sk-alice"},
                           json={"model": "smollm2", "input": "hi", "max_output_tokens": 4, **body})
@@ -91,6 +96,50 @@ def test_bad_input_is_a_4xx_naming_the_field(base, body, status, field):
     assert response.json()["error"]["param"].startswith(field), response.json()
     if field == "input":
         assert "item 0.call_id" in response.json()["error"]["message"]
+
+
+def poll(alice: openai.OpenAI, response_id: str, until: set[str], timeout_s: float = 120):
+    deadline = time.monotonic() + timeout_s
+    while (response := alice.responses.retrieve(response_id)).status not in until:
+        assert time.monotonic() < deadline, response
+        time.sleep(0.1)
+    return response
+
+
+def running(base: str) -> float:
+    metrics = httpx.get(f"{base}/metrics", headers={"Authorization": "Bearer sk-alice"}).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith("kvloom:num_requests_running{"))
+
+
+def test_a_background_response_is_answered_at_once_and_polled_to_what_a_whole_one_says(base):
+    alice, asked = client(base), dict(model="smollm2", input="Name a primary colour.", max_output_tokens=20,
+                                      temperature=0)
+    queued = alice.responses.create(**asked, background=True)
+    assert queued.status in ("queued", "in_progress") and queued.background and not queued.output
+    done = poll(alice, queued.id, {"completed", "failed"})
+    assert done.status == "completed" and done.output_text == alice.responses.create(**asked).output_text
+    follow = alice.responses.create(model="smollm2", input="And another?", previous_response_id=done.id,
+                                    max_output_tokens=4)
+    assert follow.status == "completed"
+
+
+def test_cancel_stops_a_background_response_and_its_request_on_the_replica(base):
+    alice = client(base)
+    queued = alice.responses.create(model="smollm2", input="Write a long essay on the history of Rome.",
+                                    max_output_tokens=1500, temperature=0, background=True)
+    cancelled = alice.responses.cancel(queued.id)
+    assert cancelled.status == "cancelled" and alice.responses.retrieve(queued.id).status == "cancelled"
+    deadline = time.monotonic() + 30
+    while running(base):  # the replica's request was aborted (its stats arrive a moment later)
+        assert time.monotonic() < deadline, "the cancelled request still runs"
+        time.sleep(0.1)
+    assert alice.responses.cancel(queued.id).status == "cancelled"  # again: as it is
+    with pytest.raises(openai.NotFoundError):
+        client(base, "sk-bob").responses.cancel(queued.id)
+    whole = alice.responses.create(model="smollm2", input="hi", max_output_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        alice.responses.cancel(whole.id)
 
 
 @pytest.mark.parametrize("api", ["chat completions", "responses"])
@@ -114,3 +163,23 @@ def test_the_openai_agents_sdk_runs_a_tool_loop_to_a_final_answer(base, api):
     result = asyncio.run(Runner.run(agent, "What is 2 plus 3?", max_turns=4))
     assert calls and all(isinstance(a, int) and isinstance(b, int) for a, b in calls)
     assert isinstance(result.final_output, str) and result.final_output  # the tool loop reached an answer
+
+
+def test_stored_responses_outlive_a_killed_router_and_one_it_was_generating_ends_failed(base, router_killer):
+    alice = client(base)
+    kept = alice.responses.create(model="smollm2", input="Name a primary colour.", max_output_tokens=8)
+    unfinished = alice.responses.create(model="smollm2", input="Write a long essay on the history of Rome.",
+                                        max_output_tokens=1500, background=True)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{base}/v1/models", headers={"Authorization": "Bearer sk-alice"}).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    router_killer(ready)
+    assert alice.responses.retrieve(kept.id).output_text == kept.output_text
+    assert alice.responses.retrieve(unfinished.id).status == "failed"
+    follow = alice.responses.create(model="smollm2", input="Another?", previous_response_id=kept.id,
+                                    max_output_tokens=4)
+    assert follow.status == "completed"

@@ -2,10 +2,12 @@
 
 Sampling is per request: a seeded request's i-th token draws from (seed, i) alone, so it gets the same
 tokens alone or batched with any neighbours in any order. top_k=1, a tiny top_p and temperature 0
-all reduce to greedy. Penalties, logit_bias and min_tokens follow their OpenAI and vLLM definitions.
+all reduce to greedy. Penalties, logit_bias and min_tokens follow their OpenAI and vLLM definitions, and so do
+vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens.
 logprobs are the model's log-softmax (raw logits, before temperature), the chosen token first. Stops end a request with finish_reason "stop" and say why in stop_reason. On
-the real SmolLM2 model, stop strings are cut from the text and the streamed deltas never show a
-character that the final text does not keep.
+the real SmolLM2 model, stop strings are cut from the text (or kept at its end, with
+include_stop_str_in_output) and the streamed deltas never show a character that the final text does not
+keep; a stop token's text and special tokens' text follow vLLM's rules.
 
 Most cases use the tiny random Llama (fast); text-level behaviour uses SmolLM2.
 """
@@ -346,6 +348,64 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(smol, smol_plain):
     assert_stream_is_consistent(streams["n"], neighbour.text)
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(smol, smol_plain):
+    finished, _ = smol_plain
+    plain = finished["p0"].outputs[0]
+    stop, at, completing = stop_across_tokens(smol, plain.token_ids)
+    params = SMOL_GREEDY.model_copy(update={"stop": ["zzzz-no-such-text", stop], "include_stop_str_in_output": True})
+    outs, streams = run(smol, {"s": (SMOL_PROMPTS[0], params)})
+    out = outs["s"].outputs[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == plain.token_ids[: completing + 1]
+    # the completing token's text after the stop string is cut, as vLLM cuts it
+    assert out.text == plain.text[: at + len(stop)] and len(decode(smol, out.token_ids)) > len(out.text)
+    assert_stream_is_consistent(streams["s"], out.text)
+
+
+def test_a_stop_tokens_and_special_tokens_text_follow_vllms_rules(smol, smol_plain):
+    """A stop token's (or EOS's) text is in the output only with include_stop_str_in_output, and a special token's
+    only with skip_special_tokens off."""
+    finished, _ = smol_plain
+    plain = finished["p1"].outputs[0].token_ids
+    eos, unk = 2, 0  # <|im_end|> and <|endoftext|>: special tokens
+    stop_on = SMOL_GREEDY.model_copy(update={"stop_token_ids": [plain[1]]})
+    eos_first = SMOL_GREEDY.model_copy(update={"logit_bias": {eos: 100.0}})
+    unk_thrice = SMOL_GREEDY.model_copy(update={"logit_bias": {unk: 100.0}, "ignore_eos": True, "max_tokens": 3})
+    jobs = {"stop": stop_on, "stop+": stop_on.model_copy(update={"include_stop_str_in_output": True}),
+            "eos": eos_first.model_copy(update={"skip_special_tokens": False}),
+            "eos+": eos_first.model_copy(update={"include_stop_str_in_output": True}),
+            "eos+kept": eos_first.model_copy(update={"include_stop_str_in_output": True, "skip_special_tokens": False}),
+            "unk": unk_thrice, "unk kept": unk_thrice.model_copy(update={"skip_special_tokens": False})}
+    outs, streams = run(smol, {rid: (SMOL_PROMPTS[1], params) for rid, params in jobs.items()})
+    texts = {rid: out.outputs[0].text for rid, out in outs.items()}
+    special = smol.tokenizer.decode([eos]), smol.tokenizer.decode([unk])
+    assert texts == {"stop": decode(smol, plain[:1]), "stop+": decode(smol, plain[:2]), "eos": "", "eos+": "",
+                     "eos+kept": special[0], "unk": "", "unk kept": special[1] * 3}
+    assert special == ("<|im_end|>", "<|endoftext|>")
+    for rid, stream in streams.items():
+        assert_stream_is_consistent(stream, texts[rid])
+
+
+def test_bad_words_never_complete_and_change_nothing_before(smol, smol_plain):
+    """vLLM's bad_words on a real tokenizer: each word as it starts a text and after a space; a word of several
+    tokens loses its last one where the output ends with the others, a one-token word is never generated."""
+    finished, _ = smol_plain
+    plain = finished["p0"].outputs[0].token_ids  # ' there was a wise old wizard named'
+    tokenizer = smol.tokenizer
+    wizard = tokenizer.encode(" wizard", add_special_tokens=False)
+    wise = tokenizer.encode(" wise", add_special_tokens=False)
+    assert len(wizard) == 2 and len(wise) == 1
+    at = next(i for i in range(len(plain)) if plain[i : i + 2] == wizard)
+    outs, _ = run(smol, {"wizard": (SMOL_PROMPTS[0], SMOL_GREEDY.model_copy(update={"bad_words": ["wizard"]})),
+                         "wise": (SMOL_PROMPTS[0], SMOL_GREEDY.model_copy(update={"bad_words": [" wise"]})),
+                         "plain": (SMOL_PROMPTS[0], SMOL_GREEDY)})
+    got = {rid: out.outputs[0].token_ids for rid, out in outs.items()}
+    assert got["wizard"][: at + 1] == plain[: at + 1] and got["wizard"][at + 1] != wizard[1]
+    assert not any(got["wizard"][i : i + 2] == wizard for i in range(len(got["wizard"])))
+    assert got["wise"][: plain.index(wise[0])] == plain[: plain.index(wise[0])] and wise[0] not in got["wise"]
+    assert got["plain"] == plain  # its neighbours' bans are theirs
+
+
 # ---- penalties, logit_bias, min_tokens ---------------------------------------------------------
 # They change a request's own logits before its token is chosen, as OpenAI (presence/frequency
 # penalty, logit_bias) and vLLM (repetition_penalty, min_tokens) define them: checked against references
@@ -451,6 +511,56 @@ def test_min_tokens_holds_back_eos_and_stop_tokens(eos_model, hf_tiny, greedy_to
     assert not {2, eos_id, stop_id} & set(out.token_ids[:min_tokens])
 
 
+# ---- vLLM's allowed_token_ids, bad_words and truncate_prompt_tokens --------------------------------------------
+def test_allowed_token_ids_are_the_only_candidates(tiny_model_dir, hf_tiny, greedy_tokens):
+    allowed = [3, 77, 123, 400, 511]
+    assert not set(greedy_tokens["a"]) <= set(allowed)
+
+    def only_allowed(logits, output):
+        kept = torch.full_like(logits, float("-inf"))
+        kept[allowed] = logits[allowed]
+        return kept
+
+    got, neighbour = engine_tokens(tiny_model_dir, PROMPTS["a"], allowed_token_ids=allowed)
+    assert got == reference_greedy(hf_tiny, PROMPTS["a"], only_allowed)
+    assert neighbour == greedy_tokens["b"]
+    assert set(tokens_of(tiny_model_dir, PROMPTS["a"], sampled(5, allowed_token_ids=allowed))) <= set(allowed)
+
+
+def test_bad_words_ban_a_words_last_token_where_the_output_ends_with_the_rest(tiny_model_dir, hf_tiny, greedy_tokens):
+    """The tiny model's tokenizer has one token per word `wN`: a bad word of two such words is a two-token word."""
+    plain = greedy_tokens["a"]
+    pair, single = plain[3:5], plain[8]
+
+    def banned(logits, output):
+        if output[-1:] == pair[:1]:
+            logits[pair[1]] = float("-inf")
+        logits[single] = float("-inf")
+        return logits
+
+    got, neighbour = engine_tokens(tiny_model_dir, PROMPTS["a"], bad_words=[f"w{pair[0]} w{pair[1]}", f"w{single}"])
+    assert got == reference_greedy(hf_tiny, PROMPTS["a"], banned)
+    assert got[:4] == plain[:4] and got[4] != pair[1] and single not in got
+    assert neighbour == greedy_tokens["b"]
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir):
+    engine = tiny_engine(tiny_model_dir)
+    prompt = PROMPTS["c"]
+    finished, _ = run(engine, {"cut": (prompt, GREEDY.model_copy(update={"truncate_prompt_tokens": 7})),
+                               "tail": (prompt[-7:], GREEDY)})
+    assert finished["cut"].prompt_token_ids == prompt[-7:]
+    assert finished["cut"].outputs[0].token_ids == finished["tail"].outputs[0].token_ids
+    # -1: all that leave room for max_tokens (max_model_len is 256); the prompt alone would not fit
+    long = [3 + t % 500 for t in range(300)]
+    finished, _ = run(engine, {"fit": (long, GREEDY.model_copy(update={"truncate_prompt_tokens": -1}))})
+    assert finished["fit"].prompt_token_ids == long[-(256 - NEW):]
+    assert len(finished["fit"].outputs[0].token_ids) == NEW
+    with pytest.raises(InvalidRequestError) as error:  # a length max_tokens leaves no room for, as vLLM refuses it
+        engine.make_request("x", prompt, SamplingParams(max_tokens=NEW, truncate_prompt_tokens=256 - NEW + 1))
+    assert error.value.field == "truncate_prompt_tokens"
+
+
 def test_sampled_request_with_penalties_is_reproducible_by_seed(tiny_model_dir):
     params = SamplingParams(max_tokens=NEW, temperature=1.0, seed=42, ignore_eos=True, presence_penalty=0.5,
                             frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={5: 1.0})
@@ -466,7 +576,13 @@ def test_bad_values_are_refused_by_name(tiny_model_dir):
         SamplingParams(logit_bias={5: 150.0})
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=4, min_tokens=5)
+    for knobs in ({"truncate_prompt_tokens": 0}, {"truncate_prompt_tokens": -2}, {"allowed_token_ids": []},
+                  {"bad_words": ["w5"] * 129}):
+        with pytest.raises(ValueError, match=next(iter(knobs))):
+            SamplingParams(**knobs)
     engine = tiny_engine(tiny_model_dir)
-    with pytest.raises(InvalidRequestError) as error:
-        engine.make_request("x", PROMPTS["a"], SamplingParams(logit_bias={10**6: 1.0}))
-    assert error.value.field == "logit_bias"
+    for knobs in ({"logit_bias": {10**6: 1.0}}, {"allowed_token_ids": [3, 512]}, {"bad_words": ["w5", " "]},
+                  {"bad_words": [" ".join(["w5"] * 1025)]}):
+        with pytest.raises(InvalidRequestError) as error:
+            engine.make_request("x", PROMPTS["a"], SamplingParams(**knobs))
+        assert error.value.field == next(iter(knobs))

@@ -91,6 +91,17 @@ def test_models_and_health(server):
     assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["smollm2"]
 
 
+def test_openapi_document_and_docs_page_through_serve(server):
+    """Serve's proxy hands out the document with the request bodies (test_openapi.py checks it whole)."""
+    base = server[0]
+    document = httpx.get(f"{base}/openapi.json", timeout=30).json()
+    chat = document["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert chat["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
+    assert {"messages", "tools"} <= set(document["components"]["schemas"]["ChatCompletionRequest"]["properties"])
+    docs = httpx.get(f"{base}/docs", timeout=30)
+    assert docs.status_code == 200 and "/openapi.json" in docs.text
+
+
 @pytest.mark.parametrize(
     "path, body, status, param",
     [

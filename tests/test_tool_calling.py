@@ -1,10 +1,9 @@
 """Tool calling over real HTTP to a real Serve deployment of SmolLM2 (whose template takes no tools: the Hermes
 form), with real clients (`openai`, langchain-openai; the openai-agents SDK in test_responses_api.py): every call returned parses and validates
 against its tool's schema, in every mode, streamed or not, and greedy output equals the offline `LLM.chat` given the
-same tools (float32: both are exact). And the parser on its own: any split of a stream gives the same calls."""
+same tools (float32: both are exact). The formats on their own: test_tool_formats.py."""
 
 import json
-import random
 
 import httpx
 import jsonschema
@@ -14,7 +13,6 @@ import pytest
 from kvloom.cluster.config import ClusterConfig
 from kvloom.engine.llm import LLM
 from kvloom.engine.sampling import SamplingParams
-from kvloom.engine.tool_calls import hermes
 
 pytestmark = pytest.mark.slow
 ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048, "max_num_seqs": 8, "dtype": "float32"}
@@ -65,7 +63,7 @@ def assert_valid(calls) -> None:
 def test_each_tool_choice_returns_what_the_offline_llm_chat_generates_and_every_call_validates(client, llm, mode):
     got = client.chat.completions.create(model="smollm2", messages=ASK, tools=TOOLS, tool_choice=CHOICES[mode],
                                          parallel_tool_calls=False, max_tokens=64, temperature=0).choices[0]
-    want_content, want_calls = hermes.parse(offline(llm, ASK, CHOICES[mode]))
+    want_content, want_calls = llm.tool_format.parse(offline(llm, ASK, CHOICES[mode]))
     calls = got.message.tool_calls or []
     assert got.message.content == want_content
     assert [(c.function.name, c.function.arguments) for c in calls] == [(c.name, c.arguments) for c in want_calls]
@@ -104,7 +102,7 @@ def test_a_history_with_an_assistants_tool_calls_and_a_tool_result_goes_on_as_of
                 {"role": "tool", "tool_call_id": "call_1", "content": "5"}]
     got = client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, tool_choice="auto",
                                          parallel_tool_calls=False, max_tokens=40, temperature=0).choices[0]
-    want_content, want_calls = hermes.parse(offline(llm, messages, "auto", 40))
+    want_content, want_calls = llm.tool_format.parse(offline(llm, messages, "auto", 40))
     assert got.message.content == want_content
     assert [c.function.name for c in got.message.tool_calls or ()] == [c.name for c in want_calls]
 
@@ -135,20 +133,3 @@ def test_langchain_openais_bind_tools_gets_its_call(base):
     message = chat.bind_tools(TOOLS, tool_choice="get_weather").invoke("What is the weather in Paris?")
     assert [call["name"] for call in message.tool_calls] == ["get_weather"]
     jsonschema.validate(message.tool_calls[0]["args"], WEATHER["function"]["parameters"])
-
-
-def test_any_split_of_a_streamed_output_gives_the_same_content_and_calls():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris <x>"}}\n</tool_call>'
-            '\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
-    rng = random.Random(0)
-    for _ in range(200):
-        stream, pieces, at = hermes.CallStream(), [], 0
-        while at < len(text):
-            step = rng.randint(1, 12)
-            pieces += stream.feed(text[at:at + step])
-            at += step
-        pieces += stream.finish()
-        assert "".join(p.content for p in pieces) == "Let me check.\n"
-        assert [p.name for p in pieces if p.name] == ["get_weather", "add"]
-        assert ["".join(p.arguments for p in pieces if p.call_index == i) for i in (0, 1)] == [
-            '{"city": "Pa\\"ris <x>"}', '{"a": 1, "b": 2}']

@@ -5,6 +5,7 @@ says what its figures say."""
 from kvloom.benchmarks import tools as bench
 from kvloom.engine.model.fast_tokenizer import _compile_template
 from kvloom.engine.tool_calls.conversation import chat_token_ids
+from kvloom.engine.tool_calls.formats import FORMATS
 from kvloom.engine.tool_calls.tools import parse_tool_choice, parse_tools, tool_use
 
 
@@ -18,7 +19,7 @@ def test_the_template_given_to_vllm_renders_every_task_as_kvloom_does(smollm2_di
         use = tool_use(parse_tools(body["tools"]), parse_tool_choice(body["tool_choice"]), False)
         for messages in (body["messages"], [{"role": "system", "content": "Be brief."}, *body["messages"]]):
             theirs = template.render(messages=messages, tools=body["tools"], add_generation_prompt=True)
-            assert tokenizer.encode(theirs, add_special_tokens=False) == chat_token_ids(tokenizer, messages, use)
+            assert tokenizer.encode(theirs, add_special_tokens=False) == chat_token_ids(tokenizer, messages, FORMATS["hermes"], use)
 
 
 def test_tasks_come_evenly_per_mode_every_tool_a_target_offered_with_two_others():

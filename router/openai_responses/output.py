@@ -28,7 +28,7 @@ def response_object(response_id: str, body: ResponsesRequest, created: float, st
         "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
         "text": {"format": body.text.format.model_dump(by_alias=True, exclude_none=True)}
         if body.text and body.text.format else {"format": {"type": "text"}},
-        "usage": usage, "store": body.store, "user": body.user,
+        "usage": usage, "store": body.store, "user": body.user, "background": body.background,
     }
 
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvloom.router.protocol import LenientBody
+from kvloom.router.protocol import LenientBody, UnsupportedFieldError
 
 
 class InputText(BaseModel):
@@ -110,6 +110,7 @@ class ResponsesRequest(LenientBody):
     text: TextConfig | None = None
     stream: bool = False
     store: bool = True
+    background: bool = False  # answer at once, generate on; GET polls it, POST .../cancel stops it
     metadata: dict[str, str] | None = None
     user: str | None = None
     priority: int | None = None  # kvloom's
@@ -134,6 +135,12 @@ class ResponsesRequest(LenientBody):
 
     def input_items(self) -> list[InputItem]:
         return [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.background and (self.stream or not self.store):
+            raise UnsupportedFieldError("background", "a background response is stored (store: true) and polled, "
+                                                      "not streamed (stream: false)")
 
     def conversation(self, history: list[dict]) -> list[dict]:
         """The messages so far: `history` (a previous response's conversation), then this input. `instructions` are

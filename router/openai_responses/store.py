@@ -2,7 +2,8 @@
 small named Ray actor of the deployment (as the LoRA ledger does, router/adapter_ledger.py), so they outlive a
 router Serve restarts after a crash; a new deployment starts empty. Each belongs to the tenant that made it:
 another tenant's id is unknown to it (a 404, never the content). Bounded: at most `max_count`, none older than
-`max_age_s` (the oldest go first)."""
+`max_age_s` (the oldest go first). A background response the router was generating when it stopped cannot be
+finished by the next one: `fail_unfinished` marks it failed."""
 
 import time
 from collections import OrderedDict
@@ -23,6 +24,7 @@ class ResponseStore:
     def put(self, response_id: str, tenant: str, record: dict) -> None:
         """`record`: the response and the conversation's messages up to and including its output."""
         self.entries[response_id] = (tenant, time.monotonic(), record)
+        self.entries.move_to_end(response_id)
         self._evict()
 
     def get(self, response_id: str, tenant: str) -> dict | None:
@@ -36,6 +38,14 @@ class ResponseStore:
             return False
         del self.entries[response_id]
         return True
+
+    def fail_unfinished(self, message: str) -> int:
+        """Mark the responses still queued or in progress failed; how many there were."""
+        unfinished = [record["response"] for _, _, record in self.entries.values()
+                      if record["response"]["status"] in ("queued", "in_progress")]
+        for response in unfinished:
+            response.update(status="failed", error={"code": "server_error", "message": message})
+        return len(unfinished)
 
     def count(self) -> int:
         return len(self.entries)
