@@ -26,24 +26,35 @@ GOAL = 1.05
 WORDS = 150  # a prompt's words (~200 tokens)
 
 
+def chat_text(line: str) -> bool:
+    if not line.startswith("data: {"):
+        return False
+    return any(choice["delta"].get("content") for choice in json.loads(line[len("data: "):])["choices"])
+
+
+def responses_text(line: str) -> bool:
+    return line == "event: response.output_text.delta"
+
+
 def ttft(client: httpx.Client, api: str, prompt: str) -> float:
     """Seconds to the first text of one streamed request."""
     if api == "chat":
-        path, body, first = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}, '"content":"'
+        path, body, first = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}, chat_text
     else:
-        path, body, first = "/v1/responses", {"input": prompt, "store": False}, "response.output_text.delta"
+        path, body, first = "/v1/responses", {"input": prompt, "store": False}, responses_text
     body |= {"model": "smollm2", "stream": True, "max_tokens" if api == "chat" else "max_output_tokens": 4,
              "temperature": 0}
     started = time.perf_counter()
     with client.stream("POST", path, json=body) as response:
         response.raise_for_status()
-        for line in response.iter_lines():
-            if first in line:
+        lines = response.iter_lines()
+        for line in lines:
+            if first(line):
                 elapsed = time.perf_counter() - started
                 break
         else:
             raise RuntimeError(f"{api}: no text in the stream")
-        for _ in response.iter_lines():  # the rest, so the next request finds the replica idle
+        for _ in lines:  # the rest, so the next request finds the replica idle
             pass
     return elapsed
 
