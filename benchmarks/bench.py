@@ -7,7 +7,6 @@ saved run without running anything again.
 import multiprocessing
 import os
 import platform
-import subprocess
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, replace
@@ -18,6 +17,7 @@ from tqdm import tqdm
 from kvloom.benchmarks.external_peers import KINDS as EXTERNAL_KINDS
 from kvloom.benchmarks.external_peers import external_systems, run_external, vllm_env
 from kvloom.benchmarks.harness import BenchSettings, SystemResult, SystemSpec, run_isolated
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.strategies import STRATEGIES
 from kvloom.benchmarks.workloads import Workload
 from kvloom.kernels.host_isa import auto_cpu_dtype, host_isa
@@ -90,19 +90,6 @@ def compare_outputs(results: list[SystemResult]) -> dict[str, dict]:
         report[result.spec.name] = {"reference": reference.spec.name, "compared": len(common),
                                     "equal": len(common) - len(mismatches), "mismatches": mismatches}
     return report
-
-
-def source_commit() -> str:
-    """The kvloom commit a report was made from (`-dirty` with uncommitted changes), or `unknown` outside git."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return f"{head}-dirty" if dirty else head
 
 
 def environment(settings: BenchSettings) -> dict:

@@ -64,7 +64,7 @@ async def send_all(base: str, bodies: list[tuple[str, dict]]) -> tuple[Counter, 
 def run(count: int, seed: int) -> dict:
     import platform
 
-    from kvloom.benchmarks.bench import source_commit
+    from kvloom.benchmarks.source_commit import source_commit
     from kvloom.benchmarks.local_serve import local_serve
     from kvloom.benchmarks.tiny_model import build_tiny_llama
     from kvloom.cluster.app import deploy

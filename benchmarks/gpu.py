@@ -13,10 +13,10 @@ CPU (the suite runs it that way); its figures say nothing about a GPU.
 """
 
 import argparse
+import gc
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +27,7 @@ import torch
 
 from kvloom.benchmarks.random_weights import LLAMA_8B, RandomCheckpoint, fill_missing_weights, write_config
 from kvloom.benchmarks.roofline import ModelShape
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.engine.model.model_config import ModelConfig
 
 LADDER = [1, 8, 32, 128, 256]
@@ -63,6 +64,14 @@ def timed(fn, device: torch.device, repeats: int, warmups: int = 2) -> list[floa
         sync()
         times.append(time.perf_counter() - start)
     return times
+
+
+def release(device: torch.device) -> None:
+    """Free what the last engine or runner held before the next one sizes its KV budget from the memory left:
+    they hold reference cycles that only the collector breaks, and CUDA keeps freed blocks cached."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> Ceilings:
@@ -136,10 +145,15 @@ def run_w1(model_dir: Path, device: torch.device, num_requests: int | None, dtyp
         result = replay(engine, workload)
         out[dtype] = asdict(summarize(f"kvloom {dtype}", result.records, result.wall_s, result.counters))
         del engine
+        release(device)
     prompts = [r.prompt[:256] for r in workload.requests[:W1_PARITY_PROMPTS]]
     params = SamplingParams(max_tokens=W1_PARITY_TOKENS, temperature=0, ignore_eos=True)
-    tokens = {where: [o.outputs[0].token_ids for o in LLM(str(model_dir), device=where, dtype="float32")
-                      .generate(prompts, params)] for where in ("cpu", device.type)}
+    tokens = {}
+    for where in ("cpu", device.type):
+        llm = LLM(str(model_dir), device=where, dtype="float32")
+        tokens[where] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        del llm
+        release(device)
     out["greedy_parity"] = {"prompts": len(prompts), "tokens": W1_PARITY_TOKENS,
                             "equal": sum(a == b for a, b in zip(tokens["cpu"], tokens[device.type]))}
     return out
@@ -149,14 +163,6 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def markdown(report: dict) -> str:
@@ -209,11 +215,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}))
             decode += decode_steps(name, config, device, dtype, batches, 32 if args.quick else args.context,
                                    ceilings, repeats)
+            release(device)
     w1 = None
     if args.model_dir:  # --quick: float32 alone (the same code path)
         w1 = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None,
                     ("float32",) if args.quick else ("float32", "bfloat16"))
-    report = {"device": device_name(device), "commit": commit(), "torch": torch.__version__, "dtype": str(dtype),
+    report = {"device": device_name(device), "commit": source_commit(), "torch": torch.__version__,
+              "dtype": str(dtype),
               "args": " ".join(argv if argv is not None else sys.argv[1:]), "ceilings": asdict(ceilings),
               "decode": [asdict(s) for s in decode], "w1": w1}
     args.out.mkdir(parents=True, exist_ok=True)

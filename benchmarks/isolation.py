@@ -423,7 +423,7 @@ def write_report(results: dict, out_dir: Path) -> None:
 def run(params: Params) -> dict:
     from ray import serve
 
-    from kvloom.benchmarks.bench import source_commit
+    from kvloom.benchmarks.source_commit import source_commit
     from kvloom.benchmarks.local_serve import local_serve
     from kvloom.benchmarks.tiny_model import build_tiny_llama
     from kvloom.cluster.app import deploy

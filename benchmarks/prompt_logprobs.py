@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from kvloom.benchmarks.bench import source_commit
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.workloads import default_corpus, make_workload
 from kvloom.engine.llm import LLM
 from kvloom.engine.sampling import SamplingParams

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-from kvloom.benchmarks.bench import source_commit
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.workloads import synthetic_text
 from kvloom.cluster.config import ClusterConfig
 from kvloom.kernels.host_isa import host_isa

@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from kvloom.benchmarks.bench import source_commit
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.local_serve import local_serve
 from kvloom.benchmarks.report import pyplot
 from kvloom.benchmarks.tiny_model import build_tiny_llama

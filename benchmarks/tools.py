@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 
-from kvloom.benchmarks.bench import source_commit
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.external_peers import SERVED_NAME, ServerUnavailable, running_server
 from kvloom.benchmarks.harness import BenchSettings, SystemSpec
 from kvloom.kernels.host_isa import host_isa

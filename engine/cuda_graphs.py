@@ -7,8 +7,8 @@ tokens run eager, as does a batch above the ladder.
 
 Padding rows read block 0's first slot (seq_len 1), write nowhere (slot -1: `write_kv` skips it) and are
 dropped from the logits; rows are independent in the decoder, so they change nothing of the real ones.
-`enforce_eager` turns graphs off. The Triton attention kernel reads sequence lengths from the device, so one
-graph serves every context length.
+`enforce_eager` turns graphs off, and so does an attention backend that is not graph-safe (`captures_graphs`). The
+Triton attention kernel reads sequence lengths from the device, so one graph serves every context length.
 """
 
 import bisect
@@ -20,9 +20,21 @@ import torch
 
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.step_plan import StepInputs
+from kvloom.kernels.backends import AttentionBackend
 from kvloom.kernels.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
+
+
+def captures_graphs(device: torch.device, enforce_eager: bool, backend: AttentionBackend) -> bool:
+    """Whether a (one-rank) engine captures decode graphs: on CUDA, unless `enforce_eager`, and only over a
+    graph-safe attention backend (one log line says so where that alone keeps them off)."""
+    if device.type != "cuda" or enforce_eager:
+        return False
+    if not backend.graph_safe:
+        logger.info("CUDA graphs off: attention backend %r is not graph-safe (it reads sequence lengths on the "
+                    "host); every step runs eager", backend.name)
+    return backend.graph_safe
 
 
 def graph_sizes(max_num_seqs: int) -> list[int]:

@@ -11,6 +11,7 @@ import time
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.counter_draws import seed_words
+from kvloom.engine.cuda_graphs import captures_graphs
 from kvloom.engine.engine_stats import EngineStats
 from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
@@ -101,7 +102,7 @@ class LLMEngine:
             else:
                 self.runner = self._runner(self.num_blocks)
                 self.runner.adapters, self.runner.adapter_slots = self.adapters, self.adapter_slots
-        if self.device.type == "cuda" and config.tensor_parallel_size == 1 and not config.enforce_eager:
+        if config.tensor_parallel_size == 1 and captures_graphs(self.device, config.enforce_eager, self.runner.backend):
             with self.startup.phase("CUDA graphs"):
                 self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)

@@ -9,6 +9,9 @@ class AttentionBackend(NamedTuple):
     name: str
     write_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
+    # a CUDA graph may capture it: it reads sequence lengths and tables on the device only (Triton); the reference
+    # reads them on the host (a sync inside capture, and a replay would keep the captured lengths)
+    graph_safe: bool = False
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -26,4 +29,4 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         from kvloom.kernels import triton_attention as impl
     else:
         raise ValueError(f"attention_backend must be auto, reference, cpu or triton, got {name!r}")
-    return AttentionBackend(name, impl.write_kv, impl.paged_attention)
+    return AttentionBackend(name, impl.write_kv, impl.paged_attention, graph_safe=name == "triton")

@@ -228,7 +228,7 @@ def test_report_renders_tables_and_plots(tmp_path):
 
 
 def test_a_report_names_the_commit_it_was_made_from():
-    from kvloom.benchmarks.bench import source_commit
+    from kvloom.benchmarks.source_commit import source_commit
 
     root = Path(__file__).resolve().parents[1]
     head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True)

@@ -4,7 +4,7 @@ graphs themselves need a GPU (tests/gpu); the ladder and the static buffers are 
 import pytest
 import torch
 
-from kvloom.engine.cuda_graphs import StaticDecodeInputs, graph_sizes, is_plain_decode, padded_size
+from kvloom.engine.cuda_graphs import StaticDecodeInputs, captures_graphs, graph_sizes, is_plain_decode, padded_size
 from kvloom.engine.step_plan import StepInputs
 from kvloom.kernels.metadata import AttentionMetadata
 
@@ -57,3 +57,27 @@ def test_a_block_table_wider_than_the_graphs_is_refused():
     buffers = StaticDecodeInputs.allocate(2, 2, torch.device("cpu"))
     with pytest.raises(ValueError, match="3 blocks exceeds the graphs' 2"):
         buffers.fill(step([1], [9], [[1, 2, 3]]), 1)
+
+
+@pytest.mark.parametrize("backend, enforce_eager, device, captured", [
+    ("triton", False, "cuda", True),
+    ("reference", False, "cuda", False),  # it reads sequence lengths on the host: a sync inside capture
+    ("triton", True, "cuda", False),
+    ("triton", False, "cpu", False),
+])
+def test_graphs_are_captured_only_over_a_graph_safe_backend_on_cuda(backend, enforce_eager, device, captured, caplog):
+    from kvloom.kernels.backends import AttentionBackend
+
+    attention = AttentionBackend(backend, write_kv=None, paged_attention=None, graph_safe=backend == "triton")
+    with caplog.at_level("INFO", logger="kvloom.engine.cuda_graphs"):
+        assert captures_graphs(torch.device(device), enforce_eager, attention) is captured
+    said = [r.message for r in caplog.records if "not graph-safe" in r.message]
+    assert len(said) == (backend == "reference")
+
+
+def test_select_backend_marks_only_triton_graph_safe():
+    from kvloom.kernels.backends import select_backend
+
+    assert not select_backend("reference", torch.device("cpu")).graph_safe
+    assert not select_backend("cpu", torch.device("cpu")).graph_safe
+    assert select_backend("triton", torch.device("cpu")).graph_safe

@@ -43,3 +43,36 @@ def test_a_random_checkpoint_has_every_tensor_the_fused_decoder_reads(tiny_model
     assert FusedDecoder.unsupported(config, checkpoint) is None
     FusedDecoder(config, checkpoint)
 
+
+
+def test_every_engine_and_runner_is_freed_before_the_next_one_starts(tiny_model_dir, monkeypatch):
+    """On a device the next engine's KV budget is what the last one left: a runner still alive (a closure, a
+    cycle only the collector breaks) would leave it no room."""
+    import weakref
+
+    from kvloom.engine.runner import ModelRunner
+
+    made, alive_at_start = [], []
+    original = ModelRunner.__init__
+
+    def tracked(self, *args, **kwargs):
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(ModelRunner, "__init__", tracked)
+    gpu.main(["--device", "cpu", "--quick", "--model-dir", str(tiny_model_dir), "--out", "/tmp/kvloom-gpu-freed"])
+    assert len(made) >= 4 and alive_at_start == [0] * len(made)
+    assert all(ref() is None for ref in made)
+
+
+def test_the_device_check_bounds_each_phase_and_all_of_them_fit_six_minutes():
+    """15 minutes of device time must hold the check, a fix and a rerun (plus each machine's start)."""
+    import re
+    from pathlib import Path
+
+    script = (Path(gpu.__file__).parent / "gpu_check.sh").read_text()
+    limits = {name: int(seconds) for name, seconds in re.findall(r"^phase (\w+) (\d+) ", script, re.MULTILINE)}
+    assert list(limits) == ["install", "build", "tests", "benchmark"]  # the kernels built before the tests
+    assert sum(limits.values()) < 6 * 60
+    assert not re.findall(r"^(?!phase ).*python3 -m (?:pytest|kvloom)", script, re.MULTILINE)  # all within bounds

@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from kvloom.benchmarks.bench import source_commit
+from kvloom.benchmarks.source_commit import source_commit
 from kvloom.benchmarks.http_replay import replay_http
 from kvloom.benchmarks.metrics import RunMetrics, summarize
 from kvloom.benchmarks.workloads import default_corpus, make_workload
