@@ -64,23 +64,24 @@ class StaticDecodeInputs:
     seq_lens: torch.Tensor  # [rows] int32
     block_tables: torch.Tensor  # [rows, max_blocks] int32
     query_start_loc: torch.Tensor  # [rows + 1] int32: 0, 1, 2, ... (one query token a row, never rewritten)
+    max_seq_len: int  # the longest context a graph serves (its split-KV decode sizes its segments by it)
 
     @classmethod
-    def allocate(cls, rows: int, max_blocks: int, device: torch.device) -> "StaticDecodeInputs":
+    def allocate(cls, rows: int, max_blocks: int, block_size: int, device: torch.device) -> "StaticDecodeInputs":
         def zeros(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         # as padding rows until a step fills them: the capture's own runs write no KV anywhere
         return cls(zeros(rows), zeros(rows), zeros(rows) - 1, zeros(rows, dtype=torch.int32) + 1,
                    zeros(rows, max_blocks, dtype=torch.int32),
-                   torch.arange(rows + 1, dtype=torch.int32, device=device))
+                   torch.arange(rows + 1, dtype=torch.int32, device=device), max_blocks * block_size)
 
     def metadata(self, size: int) -> AttentionMetadata:
         """The attention metadata of a `size`-row graph: views of the buffers, fixed host fields."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size], query_lens=[1] * size,
-            seq_lens_host=[1] * size, max_query_len=1, max_seq_len=self.block_tables.shape[1])
+            seq_lens_host=[1] * size, max_query_len=1, max_seq_len=self.max_seq_len)
 
     def fill(self, inputs: StepInputs, size: int) -> None:
         """Copy a plain decode step's inputs into rows 0..batch-1 and pad the rows up to `size`."""
@@ -109,7 +110,7 @@ class DecodeGraphs:
                  device: torch.device) -> None:
         self.forward, self.kv_caches, self.backend = forward, kv_caches, backend
         self.sizes = graph_sizes(max_num_seqs)
-        self.inputs = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, device)
+        self.inputs = StaticDecodeInputs.allocate(self.sizes[-1], max_blocks, kv_caches[0][0].shape[1], device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # size -> (graph, its hidden states)
         self.memory_bytes = 0
         self.capture_s = 0.0

@@ -8,6 +8,7 @@ engines can share a process.
 
 import itertools
 import time
+from functools import partial
 
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.counter_draws import seed_words
@@ -23,7 +24,7 @@ from kvloom.engine.lora.registry import LoRARegistry
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
-from kvloom.engine.model.model_loader import eos_token_ids, load_decoder, load_tokenizer
+from kvloom.engine.model.model_loader import LoadedModel, eos_token_ids, load_decoder, load_tokenizer
 from kvloom.engine.output_processor import OutputProcessor
 from kvloom.engine.outputs import RequestOutput
 from kvloom.engine.parking import ParkedKV
@@ -91,8 +92,10 @@ class LLMEngine:
         self.draft = load_draft(spec, self) if spec and spec.method == "draft_model" else None
         if self.draft is not None:  # its cache holds as many blocks as the target's: one budget pays for both
             bytes_per_token += self.draft.config.kv_bytes_per_token(self.kv_dtype)
+        draft_runner = partial(self._runner, model=self.draft) if self.draft is not None else None
         self.num_blocks = kv_block_count(config, self.device, bytes_per_token, self.max_model_len,
-                                         lambda: profile_cuda_budget(config, self.device, self._runner))
+                                         lambda: profile_cuda_budget(config, self.device, self.max_model_len,
+                                                                     self._runner, draft_runner))
         check_batch_limits(config, self.max_model_len)
         with self.startup.phase("kernels and KV cache" if config.tensor_parallel_size == 1 else "ranks"):
             if config.tensor_parallel_size > 1:
@@ -118,10 +121,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._seed_counter = itertools.count(config.seed * 1_000_003)
 
-    def _runner(self, num_blocks: int) -> ModelRunner:
+    def _runner(self, num_blocks: int, model: LoadedModel | None = None) -> ModelRunner:
+        """The target's runner, or `model`'s (a draft's, whose first pass the CUDA budget profiles)."""
         backend = select_backend(self.config.attention_backend, self.device)
-        return ModelRunner(self.decoder, self.model_config, backend, num_blocks, self.block_size, self.kv_dtype,
-                           self.device)
+        decoder, model_config = (model.decoder, model.config) if model else (self.decoder, self.model_config)
+        return ModelRunner(decoder, model_config, backend, num_blocks, self.block_size, self.kv_dtype, self.device)
 
     # ---- requests ---------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[dict], tools: ToolUse | None = None) -> list[int]:

@@ -38,7 +38,7 @@ def test_only_steps_of_one_new_token_per_request_with_every_row_sampled_replay()
 
 
 def test_the_real_rows_are_copied_and_the_padding_rows_read_one_slot_and_write_none():
-    buffers = StaticDecodeInputs.allocate(8, 4, torch.device("cpu"))
+    buffers = StaticDecodeInputs.allocate(8, 4, 16, torch.device("cpu"))
     assert (buffers.slot_mapping == -1).all() and (buffers.seq_lens == 1).all()  # the capture writes no KV
     decode = step([1, 1, 1], [5, 9, 2], [[3, 4], [7, 8, 2], [6]])
     buffers.block_tables.fill_(99)  # an earlier, wider step's tables
@@ -51,10 +51,11 @@ def test_the_real_rows_are_copied_and_the_padding_rows_read_one_slot_and_write_n
     assert (buffers.block_tables[3] == 0).all()  # the padding row's whole table
     meta = buffers.metadata(4)
     assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 4] and meta.num_seqs == 4 and meta.max_query_len == 1
+    assert meta.max_seq_len == 4 * 16  # tokens, not blocks: the split-KV decode sizes its segments by it
 
 
 def test_a_block_table_wider_than_the_graphs_is_refused():
-    buffers = StaticDecodeInputs.allocate(2, 2, torch.device("cpu"))
+    buffers = StaticDecodeInputs.allocate(2, 2, 16, torch.device("cpu"))
     with pytest.raises(ValueError, match="3 blocks exceeds the graphs' 2"):
         buffers.fill(step([1], [9], [[1, 2, 3]]), 1)
 

@@ -22,6 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
+import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
@@ -114,6 +115,29 @@ def assert_attention_matches_reference(query_lens: list[int], seq_lens: list[int
     torch.testing.assert_close(actual.float(), expected.float(), **TOLERANCE[query.dtype])
 
 
+class LaunchSpy:
+    """Stands in for a kernel: records each launch's grid, then launches it."""
+
+    def __init__(self, kernel):
+        self.kernel, self.grids = kernel, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[tuple[int, int, int]]:
+    """The grids `paged_attention` launches its attention kernel with, in this test."""
+    spy = LaunchSpy(triton_attention._paged_attention_kernel)
+    monkeypatch.setattr(triton_attention, "_paged_attention_kernel", spy)
+    return spy.grids
+
+
+def pretend_sms(monkeypatch, num_sms: int) -> None:
+    monkeypatch.setattr(triton_attention, "_num_sms", lambda device: num_sms)
+
+
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_prefill_chunk_over_cached_prefix_spanning_several_blocks(head_dim):
     # 40 new tokens after an 80-token prefix (5 blocks): the KV walk takes several tiles and the
@@ -125,8 +149,11 @@ def test_fresh_prefill_is_causal_from_position_zero():
     assert_attention_matches_reference([37], [37], num_heads=4, num_kv_heads=1)
 
 
-def test_pure_decode_batch_with_ragged_contexts():
+@pytest.mark.parametrize("num_sms, split", [(1, False), (132, True)], ids=["whole-kv", "split-kv"])
+def test_pure_decode_batch_with_ragged_contexts(num_sms, split, monkeypatch, launches):
+    pretend_sms(monkeypatch, num_sms)
     assert_attention_matches_reference([1, 1, 1, 1], [1, 17, 40, 130])
+    assert (launches[0][2] > 1) == split
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -135,6 +162,73 @@ def test_mixed_prefill_and_decode_batch(block_size):
     assert_attention_matches_reference(
         [20, 1, 5, 1], [20, 33, 37, 64], num_heads=8, block_size=block_size
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_many_decodes_beside_a_long_chunk_on_the_flat_grid(dtype, launches):
+    # The issue's step in small: 17 decodes and one 40-token chunk over a 25-token cached prefix.
+    # A (request, tile of the longest query) grid would launch 18 x 2 programs per kv head.
+    query_lens = [1] * 8 + [40] + [1] * 9
+    seq_lens = [3, 16, 17, 31, 32, 33, 1, 70] + [65] + [2, 48, 49, 15, 64, 1, 100, 5, 20]
+    assert_attention_matches_reference(query_lens, seq_lens, dtype=dtype)
+    # 32 tokens a tile (64 rows / 2 query heads per kv head): T // 32 + num_seqs tiles, one segment
+    assert launches == [(57 // 32 + 18, 2, 1)]
+
+
+def test_chunks_with_cached_prefixes_between_decodes():
+    # Chunks of several tile counts (binary search lands in gaps of different widths), a fresh
+    # prompt, a chunk exactly one tile long and decodes at and off block boundaries.
+    query_lens = [1, 33, 1, 1, 16, 7, 1, 64, 1]
+    seq_lens = [9, 50, 16, 33, 16, 90, 130, 80, 1]
+    assert_attention_matches_reference(query_lens, seq_lens, num_heads=9, num_kv_heads=3)
+
+
+def test_flat_grid_bounds_the_programs_of_255_decodes_and_a_2k_chunk():
+    query_lens = [1] * 255 + [2048]
+    for block_q in (1, 2, 4, 8, 16, 32, 64):
+        tiles = sum(triton.cdiv(q, block_q) for q in query_lens)
+        bound = triton_attention.query_block_bound(sum(query_lens), len(query_lens), block_q)
+        assert tiles <= bound <= tiles + len(query_lens)
+        per_request_grid = len(query_lens) * triton.cdiv(max(query_lens), block_q)
+        assert bound * 20 < per_request_grid  # e.g. 16 query tokens a program: 399 against 32768
+
+
+def test_kv_segments_fill_132_sms_for_a_small_decode_batch():
+    # batch-1 SmolLM2 decode (3 kv heads) over an 8k context on an H200: 3 programs unsplit
+    segments = triton_attention.kv_segments(1, 3, 1, 8192, 64, num_sms=132)
+    assert segments > 1 and 3 * segments >= 2 * 132
+    assert triton_attention.kv_segments(8, 3, 1, 2048, 64, num_sms=132) == 16  # 384 programs
+    # a segment keeps at least one tile of the longest request: 100 tokens are 2 tiles
+    assert triton_attention.kv_segments(1, 3, 1, 100, 64, num_sms=132) == 2
+    assert triton_attention.kv_segments(1, 3, 1, 64, 64, num_sms=132) == 1
+
+
+def test_kv_segments_leave_full_and_prefill_steps_whole():
+    kv_segments = triton_attention.kv_segments
+    assert kv_segments(255, 3, 1, 8192, 64, num_sms=132) == 1  # 765 programs already
+    assert kv_segments(1, 3, 2048, 8192, 64, num_sms=132) == 1  # a prefill chunk
+    assert kv_segments(1, 1, 1, 10**6, 64, num_sms=10**4) == triton_attention._MAX_SEGMENTS
+
+
+@pytest.mark.parametrize(
+    "seq_lens, num_heads, num_kv_heads, dtype",
+    [
+        ([1, 130, 47], 4, 2, torch.float32),  # a one-token request among ragged ones
+        ([16, 17, 200], 9, 3, torch.float32),  # at and past block boundaries; SmolLM2's GQA
+        ([1, 1, 33], 4, 1, torch.float32),  # mostly empty segments; MQA
+        ([95], 9, 3, torch.bfloat16),
+        ([64, 150], 8, 2, torch.float16),
+    ],
+)
+def test_split_kv_decode_matches_reference(
+    seq_lens, num_heads, num_kv_heads, dtype, monkeypatch, launches
+):
+    pretend_sms(monkeypatch, 132)
+    assert_attention_matches_reference(
+        [1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, dtype=dtype
+    )
+    (grid,) = launches
+    assert grid[2] > 1, "the decode step did not split its KV"
 
 
 @pytest.mark.parametrize(
