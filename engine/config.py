@@ -71,6 +71,23 @@ class LoRAConfig(BaseModel):
         return self
 
 
+class DiskTierConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str  # a directory (one folder per model identity inside)
+    bytes: int = Field(ge=0)
+
+
+class KVTiersConfig(BaseModel):
+    """KV tiers under the paged cache (engine/kv_tiers/): full blocks kept in a host tier every replica of the node
+    shares, spilling to a disk tier, and read back where a prefix misses the pool. Off unless given bytes."""
+    model_config = ConfigDict(extra="forbid")
+
+    host_bytes: int = Field(0, ge=0)
+    host_path: str = "/dev/shm/kvloom-kv"  # shared memory on Linux: every replica of the node maps the same files
+    disk: DiskTierConfig | None = None
+
+
 class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -111,6 +128,8 @@ class EngineConfig(BaseModel):
     distributed_timeout_s: float = Field(60.0, gt=0)
     speculative_config: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: no adapters
+    kv_tiers: KVTiersConfig | None = None
+    kv_offloading_size: float | None = Field(None, gt=0, description="vLLM's: GiB of host tier (kv_tiers.host_bytes)")
     tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic"] = Field(
         "auto", description="the format tool calls are written in (vLLM's names); auto: the chat template's "
                             "(engine/tool_calls/formats.py)")
@@ -147,4 +166,22 @@ class EngineConfig(BaseModel):
         if spec is not None and spec.method != "ngram":
             raise ValueError(f"speculative method {spec.method} drafts with a model outside the tensor-parallel "
                              "ranks; with tensor_parallel_size > 1 use ngram")
+        if self.tiers is not None:
+            raise ValueError("kv_tiers: not with tensor_parallel_size > 1 yet (each rank holds a share of a block)")
         return self
+
+    @model_validator(mode="after")
+    def _tiers_limits(self) -> "EngineConfig":
+        if self.kv_offloading_size is not None and self.kv_tiers is not None and self.kv_tiers.host_bytes:
+            raise ValueError("give the host tier's size once: kv_offloading_size or kv_tiers.host_bytes")
+        if self.tiers is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_tiers keep prefix-cache blocks: they need enable_prefix_caching")
+        return self
+
+    @property
+    def tiers(self) -> KVTiersConfig | None:
+        """The KV tiers (kv_offloading_size sizing the host tier), where any tier has bytes."""
+        tiers = self.kv_tiers or KVTiersConfig()
+        if self.kv_offloading_size is not None:
+            tiers = tiers.model_copy(update={"host_bytes": int(self.kv_offloading_size * 2**30)})
+        return tiers if tiers.host_bytes or (tiers.disk is not None and tiers.disk.bytes) else None

@@ -23,6 +23,7 @@ class EngineStats:
     step_seconds: float  # wall time in steps that ran a batch: over a span's wall time, how busy the engine was
     idle_slot_steps: int
     padding_tokens: int
+    kv_tiers: dict | None = None  # per tier: hits, misses, blocks written, bytes read, load seconds, bytes used
 
     @property
     def mean_batch_size(self) -> float:
@@ -38,6 +39,7 @@ class EngineStats:
             num_preemptions=scheduler.num_preemptions, num_steps=counters.num_steps, batch_slots=counters.batch_slots,
             step_seconds=step_seconds, idle_slot_steps=counters.idle_slot_steps,
             padding_tokens=scheduler.batching.padding_tokens,
+            kv_tiers=kv.tiers.as_dict() if kv.tiers is not None else None,
         )
 
 

@@ -1,12 +1,16 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookups.
 
 Blocks are allocated as tokens arrive (never a max-length reservation); `allocate_slots` returns
-False instead of raising when the pool is short, so the scheduler decides whom to preempt.
+False instead of raising when the pool is short, so the scheduler decides whom to preempt. With KV tiers
+(engine/kv_tiers/), full blocks are written through to them as they are registered, and a prefix that misses
+the pool goes on in the tiers: the blocks found there are copied into fresh pool blocks and registered, so they
+are cached blocks like any other from then on.
 """
 
 from dataclasses import dataclass, field
 
 from kvloom.engine.block_pool import BlockPool, KVBlock, hash_block
+from kvloom.engine.kv_tiers.tiers import KVTiers
 from kvloom.engine.request import Request
 
 
@@ -21,6 +25,7 @@ class KVCacheManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    tiers: KVTiers | None = None
     pool: BlockPool = field(init=False)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _held: dict[str, list[KVBlock]] = field(default_factory=dict)
@@ -40,17 +45,39 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[KVBlock] = []
+        missed: list[tuple[int, tuple[int, ...]]] = []  # (hash, tokens) of the blocks after the pool's run
         parent = request.hash_root
         tokens = request.token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
         for i in range(max_blocks):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, chunk)
-            block = self.pool.lookup(parent, chunk)
-            if block is None:
+            block = self.pool.lookup(parent, chunk) if not missed else None
+            if block is not None:
+                hits.append(block)
+            elif self.tiers is None:
                 break
-            hits.append(block)
-        return hits
+            else:
+                missed.append((parent, chunk))
+        return hits + (self._restore(hits, missed) if missed else [])
+
+    def _restore(self, hits: list[KVBlock], missed: list[tuple[int, tuple[int, ...]]]) -> list[KVBlock]:
+        """The leading run of `missed` that a tier holds, copied into fresh pool blocks and registered (cached, held
+        by no one: the caller adopts them with the hits). The hits stay pinned meanwhile, and the pool keeps a
+        block for the prompt's last token."""
+        limit = self.pool.num_free - sum(b.ref_cnt == 0 for b in hits) - 1
+        payloads = self.tiers.fetch(missed, limit) if limit > 0 else []
+        if not payloads:
+            return []
+        for block in hits:
+            self.pool.touch(block)
+        restored = self.pool.allocate(len(payloads))
+        self.tiers.restore([b.block_id for b in restored], payloads)
+        for block, (block_hash, chunk) in zip(restored, missed):
+            self.pool.register(block, block_hash, chunk)
+        for block in hits + restored:
+            self.pool.release(block)
+        return restored
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
@@ -114,12 +141,16 @@ class KVCacheManager:
         held = self._held[request.request_id]
         num_full = request.num_computed_tokens // self.block_size
         tokens = request.token_ids
+        new = []
         for i in range(len(request.block_hashes), num_full):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = request.block_hashes[-1] if request.block_hashes else request.hash_root
             block_hash = hash_block(parent, chunk)
             request.block_hashes.append(block_hash)
             self.pool.register(held[i], block_hash, chunk)
+            new.append((held[i].block_id, block_hash, chunk))
+        if self.tiers is not None and new:
+            self.tiers.offer(new)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Return the blocks past those `num_tokens` tokens need (slots of rejected drafts)."""

@@ -18,6 +18,7 @@ from kvloom.engine.errors import ConfigError, InvalidRequestError
 from kvloom.engine.host_memory import trim_heap
 from kvloom.engine.input_processor import InputProcessor
 from kvloom.engine.kv_cache_manager import KVCacheManager
+from kvloom.engine.kv_tiers.tiers import KVTiers, kv_identity
 from kvloom.engine.lora.adapter_slots import AdapterSlots
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.lora.registry import LoRARegistry
@@ -108,7 +109,8 @@ class LLMEngine:
         if config.tensor_parallel_size == 1 and captures_graphs(self.device, config.enforce_eager, self.runner.backend):
             with self.startup.phase("CUDA graphs"):
                 self.runner.capture_graphs(config.max_num_seqs, -(-self.max_model_len // self.block_size))
-        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, self.block_size, config.enable_prefix_caching,
+                                 self._kv_tiers(model_dir) if config.tiers is not None else None)
         self.handoffs = ParkedKV(self.kv)
         trim_heap()  # what loading freed
         self.scheduler = Scheduler(SchedulerLimits(
@@ -120,6 +122,13 @@ class LLMEngine:
         self.speculator = build_speculator(spec, self) if spec else None
         self.requests: dict[str, Request] = {}
         self._seed_counter = itertools.count(config.seed * 1_000_003)
+
+    def _kv_tiers(self, model_dir) -> KVTiers | None:
+        """The configured KV tiers over this engine's cache (engine/kv_tiers/)."""
+        key_cache = self.runner.kv_caches[0][0]
+        shape = (len(self.runner.kv_caches), 2, self.block_size, *key_cache.shape[2:])
+        return KVTiers.build(self.config.tiers, kv_identity(model_dir, self.kv_dtype, shape), self.runner.export_blocks,
+                             self.runner.import_blocks, shape, self.kv_dtype)
 
     def _runner(self, num_blocks: int, model: LoadedModel | None = None) -> ModelRunner:
         """The target's runner, or `model`'s (a draft's, whose first pass the CUDA budget profiles)."""

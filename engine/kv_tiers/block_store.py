@@ -1,0 +1,143 @@
+"""One KV tier: a directory of block files, shared by every process of a node that opens it.
+
+A file holds one full block of one model: every layer's K and V, named by the block's chained hash (which already
+covers the tenant's cache namespace and the adapter, engine/cache_namespace.py), and headed by the identity of what
+wrote it (model, weights, dtype, layout), the block's tokens and a CRC-32 of both (a fifth of a BLAKE2 digest's
+cost on a block's hundreds of KB: loading is what the tier is for). A read checks all of them: a
+missing, truncated, corrupt or mismatched file is a miss (and removed), never KV. Writes go to a temporary file
+renamed into place, so readers in other processes see a whole file or none.
+
+The directory is the index: `get` is an open, `put` a rename. A byte budget bounds it: past the budget the least
+recently used files (by modification time, which a hit refreshes) go, moved to the tier below where there is one
+(the host tier spills to disk). A write that fails (a full disk) is dropped, and the tier stops writing for a while:
+serving never fails because a tier cannot take more.
+"""
+
+import logging
+import os
+import struct
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVLOOM01"
+HEADER = struct.Struct("<8s16s16sIII")  # magic, identity, block hash, tokens, payload bytes, CRC-32 of the rest
+SUFFIX = ".kvb"
+FULL_BACKOFF_S = 30.0  # after a write fails for want of room, this long before the next try
+CHECK_EVERY_BYTES_FRACTION = 16  # the directory is measured again after writes of budget / 16 bytes
+
+
+@dataclass
+class BlockStore:
+    path: Path  # this identity's directory (created)
+    budget_bytes: int
+    identity: bytes  # 16 bytes: what wrote the blocks (tiers.py's `kv_identity`)
+    below: "BlockStore | None" = None  # where blocks past the budget go
+    _written_since_check: int = 0
+    _refused_until: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def file(self, block_hash: int) -> Path:
+        return self.path / f"{block_hash:032x}{SUFFIX}"
+
+    def contains(self, block_hash: int) -> bool:
+        return self.file(block_hash).exists()
+
+    def put(self, block_hash: int, tokens: tuple[int, ...], payload: bytes) -> bool:
+        """Store a block (a block already there is kept); False where it could not be written."""
+        target = self.file(block_hash)
+        if target.exists() or time.monotonic() < self._refused_until or len(payload) > self.budget_bytes:
+            return False
+        token_bytes = struct.pack(f"<{len(tokens)}q", *tokens)
+        checksum = zlib.crc32(payload, zlib.crc32(token_bytes))
+        header = HEADER.pack(MAGIC, self.identity, block_hash.to_bytes(16, "little"), len(tokens), len(payload),
+                             checksum)
+        return self._write(target, header + token_bytes + payload)
+
+    def get(self, block_hash: int, tokens: tuple[int, ...]) -> memoryview | None:
+        """The block's payload if this tier holds it whole and for these tokens, else None (a bad file goes)."""
+        target = self.file(block_hash)
+        try:
+            data = target.read_bytes()
+        except OSError:
+            return None
+        payload = self._verified(memoryview(data), block_hash, tokens)
+        if payload is None:
+            logger.warning("KV tier %s: %s is not a usable block; removed", self.path, target.name)
+            target.unlink(missing_ok=True)
+            return None
+        try:
+            os.utime(target)  # recently used: evicted last
+        except OSError:
+            pass
+        return payload
+
+    def _verified(self, data: memoryview, block_hash: int, tokens: tuple[int, ...]) -> memoryview | None:
+        if len(data) < HEADER.size:
+            return None
+        magic, identity, stored_hash, num_tokens, payload_bytes, checksum = HEADER.unpack_from(data)
+        body = data[HEADER.size:]
+        if (magic != MAGIC or identity != self.identity or stored_hash != block_hash.to_bytes(16, "little")
+                or num_tokens != len(tokens) or len(body) != 8 * num_tokens + payload_bytes):
+            return None
+        if zlib.crc32(body) != checksum:  # corruption, not forgery: only the node's replicas write here
+            return None
+        if struct.unpack_from(f"<{num_tokens}q", body) != tuple(tokens):
+            return None
+        return body[8 * num_tokens:]
+
+    def _write(self, target: Path, data: bytes) -> bool:
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        try:
+            temporary.write_bytes(data)
+            os.replace(temporary, target)
+        except OSError as exc:
+            temporary.unlink(missing_ok=True)
+            self._refused_until = time.monotonic() + FULL_BACKOFF_S
+            logger.warning("KV tier %s takes no more blocks for %.0f s: %s", self.path, FULL_BACKOFF_S, exc)
+            return False
+        self._written_since_check += len(data)
+        if self._written_since_check * CHECK_EVERY_BYTES_FRACTION >= self.budget_bytes:
+            self.trim()
+        return True
+
+    def trim(self) -> None:
+        """Bring the directory within its budget: least recently used files first, to the tier below if any."""
+        self._written_since_check = 0
+        files = []
+        for entry in os.scandir(self.path):
+            if entry.name.endswith(SUFFIX):
+                try:
+                    stat = entry.stat()
+                except OSError:
+                    continue
+                files.append((stat.st_mtime, stat.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        for _, size, name in sorted(files):
+            if total <= self.budget_bytes:
+                break
+            self._evict(Path(name))
+            total -= size
+
+    def _evict(self, file: Path) -> None:
+        if self.below is not None:
+            try:
+                data = file.read_bytes()
+            except OSError:
+                data = None
+            if data is not None:
+                self.below.take(file.name, data)
+        file.unlink(missing_ok=True)
+
+    def take(self, name: str, data: bytes) -> None:
+        """Keep a block file another tier wrote (the same identity's, checked when it is read)."""
+        if not (self.path / name).exists():
+            self._write(self.path / name, data)
+
+    def used_bytes(self) -> int:
+        return sum(entry.stat().st_size for entry in os.scandir(self.path) if entry.name.endswith(SUFFIX))
