@@ -77,6 +77,9 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  hand-offs: {received:.0f} received ({handoffs['bytes'] / 2**20:.1f} MiB, "
                   f"{handoffs['transfer_s'] / max(received, 1) * 1000:.1f} ms each), "
                   f"{handoffs['computed_here']:.0f} computed here instead")
+        for tier, t in ((name, t) for name, t in (r.get("kv_tiers") or {}).items() if isinstance(t, dict)):
+            print(f"  KV {tier} tier: {t['used_bytes'] / 2**20:.0f} MiB held on the node, {t['hits']} blocks read "
+                  f"back ({t['load_s'] * 1000:.0f} ms), {t['misses']} missed, {t['blocks_written']} written")
     events = router.scaling_events.remote().result()[-STATUS_EVENTS:]
     if events:
         print("replicas over time (the router's load signals when each joined or left):")

@@ -162,7 +162,7 @@ class EngineReplica:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
             engine_step_seconds=s.step_seconds,
-            spec_decode=report.spec_decode, cached_prefix_hashes=report.recent_prefix_hashes,
+            spec_decode=report.spec_decode, kv_tiers=s.kv_tiers, cached_prefix_hashes=report.recent_prefix_hashes,
             startup={"process start": self.process_start_s, **report.startup}, lora_adapters=report.lora_adapters,
             healthy=self.engine.dead_error is None, time=time.time(),
         )

@@ -143,6 +143,7 @@ class ReplicaStats:
     engine_step_requests: int = 0
     engine_step_seconds: float = 0.0
     spec_decode: dict | None = None  # SpecDecodeStats as a dict, where the engine speculates
+    kv_tiers: dict | None = None  # per KV tier (engine/kv_tiers/): hits, misses, blocks written, bytes, seconds
     cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
     handoffs: dict[str, float] | None = None  # a decode replica's hand-offs: received (bytes, seconds), computed here

@@ -40,6 +40,14 @@ class ReplicaStatsCollector:
             "num_draft_tokens": CounterMetricFamily("kvloom:spec_decode_num_draft_tokens", "Drafted tokens verified", labels=["replica"]),
             "num_accepted_tokens": CounterMetricFamily("kvloom:spec_decode_num_accepted_tokens", "Drafted tokens kept", labels=["replica"]),
         }
+        tiers = {  # replicas with KV tiers only, per tier (host, disk)
+            "hits": CounterMetricFamily("kvloom:kv_tier_hits", "KV blocks read back from a tier", labels=["replica", "tier"]),
+            "misses": CounterMetricFamily("kvloom:kv_tier_misses", "KV blocks looked up in a tier and not found", labels=["replica", "tier"]),
+            "blocks_written": CounterMetricFamily("kvloom:kv_tier_blocks_written", "KV blocks written to a tier", labels=["replica", "tier"]),
+            "bytes_read": CounterMetricFamily("kvloom:kv_tier_read_bytes", "Bytes of KV read back from a tier", labels=["replica", "tier"]),
+            "load_s": CounterMetricFamily("kvloom:kv_tier_load_seconds", "Seconds spent reading a tier", labels=["replica", "tier"]),
+            "used_bytes": GaugeMetricFamily("kvloom:kv_tier_used_bytes", "Bytes a tier holds (the node's, as this replica sees it)", labels=["replica", "tier"]),
+        }
         per_position = CounterMetricFamily("kvloom:spec_decode_num_accepted_tokens_per_pos",
                                            "Drafted tokens kept, by position in the draft", labels=["replica", "position"])
         for replica in self.table.live():
@@ -54,7 +62,12 @@ class ReplicaStatsCollector:
                     family.add_metric([replica.replica_id], s.spec_decode[name])
                 for position, count in enumerate(s.spec_decode["num_accepted_tokens_per_pos"]):
                     per_position.add_metric([replica.replica_id, str(position)], count)
+            for tier, figures in ((s.kv_tiers or {}).items()):
+                if isinstance(figures, dict):  # not restore_s, the engine's own
+                    for name, family in tiers.items():
+                        family.add_metric([replica.replica_id, tier], figures[name])
         yield from gauges.values()
+        yield from tiers.values()
         yield from counters.values()
         yield from spec.values()
         yield per_position

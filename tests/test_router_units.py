@@ -320,3 +320,15 @@ async def test_an_error_chunk_on_the_output_channel_ends_the_request_with_it():
     handle = scripted_replica_handle(lambda rid: [StepChunks("a"), StepChunks("a", [refused])])
     stream = ReplicaChannels(handle).open(job("r1").message, "a")
     assert [chunk async for chunk in stream] == [refused]
+
+
+def test_metrics_show_each_replicas_kv_tiers():
+    table = ReplicaTable(slack=0)
+    tier = {"hits": 5, "misses": 2, "blocks_written": 9, "bytes_read": 4096, "load_s": 0.25, "used_bytes": 8192}
+    table.report(ReplicaStats("a", kv_tiers={"restore_s": 0.1, "host": tier, "disk": {**tier, "hits": 1}}))
+    table.report(stats("b"))  # no tiers: no series
+    text = RouterMetrics(table).render().decode()
+    assert 'kvloom:kv_tier_hits_total{replica="a",tier="host"} 5.0' in text
+    assert 'kvloom:kv_tier_hits_total{replica="a",tier="disk"} 1.0' in text
+    assert 'kvloom:kv_tier_used_bytes{replica="a",tier="host"} 8192.0' in text
+    assert 'replica="b",tier=' not in text
