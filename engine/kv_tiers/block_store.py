@@ -63,7 +63,9 @@ class BlockStore:
         """The block's payload if this tier holds it whole and for these tokens, else None (a bad file goes)."""
         target = self.file(block_hash)
         try:
-            data = target.read_bytes()
+            with open(target, "rb") as file:
+                data = bytearray(os.fstat(file.fileno()).st_size)  # writable: torch takes the payload as it is
+                file.readinto(data)
         except OSError:
             return None
         payload = self._verified(memoryview(data), block_hash, tokens)

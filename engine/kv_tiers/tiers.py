@@ -105,8 +105,7 @@ class KVTiers:
     def restore(self, block_ids: list[int], payloads: list[memoryview]) -> None:
         """Write fetched payloads into these pool blocks."""
         started = time.perf_counter()
-        blocks = [torch.frombuffer(bytearray(p), dtype=torch.uint8).view(self.kv_dtype).view(self.block_shape)
-                  for p in payloads]
+        blocks = [torch.frombuffer(p, dtype=torch.uint8).view(self.kv_dtype).view(self.block_shape) for p in payloads]
         self.import_blocks(block_ids, torch.stack(blocks, dim=2))
         self.restore_s += time.perf_counter() - started
 
