@@ -13,7 +13,23 @@ from kvloom.benchmarks.random_weights import RandomCheckpoint, tensor_shapes
 from kvloom.engine.model.model_config import ModelConfig
 
 
-def test_a_quick_run_on_cpu_writes_every_section(tiny_model_dir, tmp_path):
+def test_a_quick_run_on_cpu_writes_every_section_and_frees_each_engine_before_the_next(tiny_model_dir, tmp_path,
+                                                                                        monkeypatch):
+    """On a device the next engine's KV budget is what the last one left: a runner still alive (a closure, a cycle
+    only the collector breaks) would leave it no room. Every runner is tracked by a weak reference."""
+    import weakref
+
+    from kvloom.engine.runner import ModelRunner
+
+    made, alive_at_start = [], []
+    original = ModelRunner.__init__
+
+    def tracked(self, *args, **kwargs):
+        alive_at_start.append(sum(ref() is not None for ref in made))
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(ModelRunner, "__init__", tracked)
     report = gpu.main(["--device", "cpu", "--quick", "--model-dir", str(tiny_model_dir), "--out", str(tmp_path)])
     assert report["ceilings"]["copy_gb_s"] > 0 and report["ceilings"]["matmul_tflop_s"] > 0
     assert {s["model"] for s in report["decode"]} == {"SmolLM2 shape", "8B Llama shape"}
@@ -23,6 +39,8 @@ def test_a_quick_run_on_cpu_writes_every_section(tiny_model_dir, tmp_path):
     written = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert written["decode"] == report["decode"]
     assert "roofline floor" in next(tmp_path.glob("*.md")).read_text()
+    assert len(made) >= 4 and alive_at_start == [0] * len(made)
+    assert all(ref() is None for ref in made)
 
 
 def test_the_roofline_floor_of_a_batch_1_decode_is_reading_the_weights(tmp_path):
@@ -42,28 +60,6 @@ def test_a_random_checkpoint_has_every_tensor_the_fused_decoder_reads(tiny_model
     checkpoint = RandomCheckpoint(config, torch.float32, torch.device("cpu"))
     assert FusedDecoder.unsupported(config, checkpoint) is None
     FusedDecoder(config, checkpoint)
-
-
-
-def test_every_engine_and_runner_is_freed_before_the_next_one_starts(tiny_model_dir, monkeypatch):
-    """On a device the next engine's KV budget is what the last one left: a runner still alive (a closure, a
-    cycle only the collector breaks) would leave it no room."""
-    import weakref
-
-    from kvloom.engine.runner import ModelRunner
-
-    made, alive_at_start = [], []
-    original = ModelRunner.__init__
-
-    def tracked(self, *args, **kwargs):
-        alive_at_start.append(sum(ref() is not None for ref in made))
-        original(self, *args, **kwargs)
-        made.append(weakref.ref(self))
-
-    monkeypatch.setattr(ModelRunner, "__init__", tracked)
-    gpu.main(["--device", "cpu", "--quick", "--model-dir", str(tiny_model_dir), "--out", "/tmp/kvloom-gpu-freed"])
-    assert len(made) >= 4 and alive_at_start == [0] * len(made)
-    assert all(ref() is None for ref in made)
 
 
 def test_the_device_check_bounds_each_phase_and_all_of_them_fit_six_minutes():
