@@ -437,3 +437,23 @@ def test_served_streams_with_speculation_equal_offline_greedy_and_metrics_count_
     by_position = sum(v for k, v in values.items()
                       if k.startswith("kvloom:spec_decode_num_accepted_tokens_per_pos_total"))
     assert drafted > accepted > 0 and by_position == accepted
+
+
+def test_a_draft_model_catches_up_on_a_long_prompt_in_forwards_of_at_most_the_step_budget(tiny_model_dir,
+                                                                                            build_tiny_model, tmp_path):
+    """Its first pass over a whole prompt (here after a prefix-cache hit of most of it) is chunked by
+    max_num_batched_tokens, as the CUDA budget counts it; greedy tokens stay the target's."""
+    knobs = dict(model=str(tiny_model_dir), dtype="float32", kv_cache_memory_bytes=1 << 24, max_num_seqs=4,
+                 max_num_batched_tokens=32)
+    prompt = [(i * 7) % 400 + 3 for i in range(150)]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    plain = LLMEngine(**knobs)
+    expected = run(plain, [prompt[:140], prompt], [greedy, greedy])
+    engine = LLMEngine(**knobs, speculative_config={"method": "draft_model", "num_speculative_tokens": 2,
+                                                    "model": str(build_tiny_model(tmp_path / "draft", seed=1))})
+    proposer = engine.speculator.proposer
+    sizes, forward = [], proposer.forward
+    proposer.forward = lambda ids, *rest: sizes.append(len(ids)) or forward(ids, *rest)
+    assert run(engine, [prompt[:140]], [greedy])["r0"] == expected["r0"]
+    assert run(engine, [prompt], [greedy])["r0"] == expected["r1"]  # 128 tokens cached: the draft saw none
+    assert max(sizes) <= 32 and sum(s == 32 for s in sizes) >= 4

@@ -11,9 +11,11 @@ verified tokens is exactly what the draft would compute, so it attends over the 
 writes its drafts' K/V into the slots the target writes in the same step: no second cache, no catch-up,
 and the target overwrites every slot the draft touched before reading it.
 
-A draft model keeps a paged cache of its own (as many blocks as the target's, no prefix caching): pass 0
-also feeds it whatever it has not seen of the request (the prompt the first time, the kept tokens after a
-verification), and after verification it rolls back to the tokens that were kept.
+A draft model keeps a paged cache of its own (as many blocks as the target's, no prefix caching): before pass
+0 it is fed whatever it has not seen of the request (the prompt the first time, the kept tokens after a
+verification), at most `max_pass_tokens` tokens a forward (a whole prompt, or a long prefix-cache hit, in one
+forward would be a step of any size: the CUDA budget counts a draft pass of `max_num_batched_tokens`), and after
+verification it rolls back to the tokens that were kept.
 """
 
 from dataclasses import dataclass, field
@@ -62,6 +64,7 @@ class ModelProposer(Proposer):
     @torch.inference_mode()
     def draft(self, requests: list[Request]) -> None:
         requests = [r for r in requests if r.spec_token_ids]
+        self.catch_up(requests)
         draft_probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
         for j in range(max((len(r.spec_token_ids) for r in requests), default=0)):
             active = [r for r in requests if len(r.spec_token_ids) > j]
@@ -101,6 +104,9 @@ class ModelProposer(Proposer):
     def drafted(self, requests: list[Request]) -> None:
         """After the passes: what the draft's own cache now holds."""
 
+    def catch_up(self, requests: list[Request]) -> None:
+        """Before the passes: bring the draft's own cache up to all but the last known token (a draft model's)."""
+
 
 class LayerSkipProposer(ModelProposer):
     """The target's first `num_layers` layers draft, over the target's own KV cache."""
@@ -116,10 +122,35 @@ class DraftModelProposer(ModelProposer):
     """A separate checkpoint drafts, with its own paged KV cache kept in step with the target's tokens."""
 
     def __init__(self, decoder, kv_caches: list, backend: AttentionBackend, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, max_pass_tokens: int) -> None:
         super().__init__(decoder, kv_caches, backend, block_size, device)
         self.pool = BlockPool(kv_caches[0][0].shape[0])
         self.sequences: dict[str, DraftSequence] = {}
+        self.max_pass_tokens = max_pass_tokens
+
+    def catch_up(self, requests: list[Request]) -> None:
+        """Feed the tokens the draft has not seen but the last, at most `max_pass_tokens` a forward (no logits)."""
+        behind = [r for r in requests if self.first_position(r) < r.num_tokens - 1]
+        while behind:
+            input_ids, positions, query_lens, seq_lens, tables, room = [], [], [], [], [], self.max_pass_tokens
+            for r in behind:
+                first = self.first_position(r)
+                end = min(r.num_tokens - 1, first + room)
+                if end <= first:
+                    break
+                input_ids += r.token_ids[first:end]
+                positions += range(first, end)
+                query_lens.append(end - first)
+                seq_lens.append(end)
+                tables.append(self.block_table(r))
+                room -= end - first
+            meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, self.device)
+            self.forward(torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                         ForwardContext(meta, self.kv_caches, self.backend),
+                         torch.zeros(0, dtype=torch.long, device=self.device))
+            for r, end in zip(behind, seq_lens):
+                self.sequences[r.request_id].computed = end
+            behind = [r for r in behind if self.first_position(r) < r.num_tokens - 1]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, context: ForwardContext,
                 keep_rows: torch.Tensor) -> torch.Tensor:

@@ -135,4 +135,5 @@ def _draft_model(engine) -> DraftModelProposer:
     caches = [(allocate_kv_cache(shape, engine.kv_dtype, engine.device),
                allocate_kv_cache(shape, engine.kv_dtype, engine.device))
               for _ in range(draft.config.num_hidden_layers)]
-    return DraftModelProposer(draft.decoder, caches, engine.runner.backend, engine.block_size, engine.device)
+    return DraftModelProposer(draft.decoder, caches, engine.runner.backend, engine.block_size, engine.device,
+                              engine.config.max_num_batched_tokens)
