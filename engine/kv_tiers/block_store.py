@@ -37,10 +37,12 @@ class BlockStore:
     identity: bytes  # 16 bytes: what wrote the blocks (tiers.py's `kv_identity`)
     below: "BlockStore | None" = None  # where blocks past the budget go
     _written_since_check: int = 0
+    _measured_bytes: int = 0  # the directory's size when it was last measured
     _refused_until: float = 0.0
 
     def __post_init__(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
+        self._measured_bytes = sum(size for _, size, _ in self._files())
 
     def file(self, block_hash: int) -> Path:
         return self.path / f"{block_hash:032x}{SUFFIX}"
@@ -111,6 +113,17 @@ class BlockStore:
     def trim(self) -> None:
         """Bring the directory within its budget: least recently used files first, to the tier below if any."""
         self._written_since_check = 0
+        files = self._files()
+        total = sum(size for _, size, _ in files)
+        for _, size, name in sorted(files):
+            if total <= self.budget_bytes:
+                break
+            self._evict(Path(name))
+            total -= size
+        self._measured_bytes = total
+
+    def _files(self) -> list[tuple[float, int, str]]:
+        """(modification time, size, path) of every block file in the directory."""
         files = []
         for entry in os.scandir(self.path):
             if entry.name.endswith(SUFFIX):
@@ -119,12 +132,7 @@ class BlockStore:
                 except OSError:
                     continue
                 files.append((stat.st_mtime, stat.st_size, entry.path))
-        total = sum(size for _, size, _ in files)
-        for _, size, name in sorted(files):
-            if total <= self.budget_bytes:
-                break
-            self._evict(Path(name))
-            total -= size
+        return files
 
     def _evict(self, file: Path) -> None:
         if self.below is not None:
@@ -142,4 +150,6 @@ class BlockStore:
             self._write(self.path / name, data)
 
     def used_bytes(self) -> int:
-        return sum(entry.stat().st_size for entry in os.scandir(self.path) if entry.name.endswith(SUFFIX))
+        """What the tier holds as this process last measured it, plus what it wrote since (no directory scan:
+        engine stats read this every report)."""
+        return self._measured_bytes + self._written_since_check
