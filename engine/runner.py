@@ -8,6 +8,7 @@ known tokens reach the LM head.
 
 import torch
 
+from kvloom.engine.block_table import BlockTable
 from kvloom.engine.cuda_graphs import DecodeGraphs
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.decoder import FusedDecoder
@@ -62,6 +63,7 @@ class ModelRunner:
         ]
         self.graphs: DecodeGraphs | None = None  # see capture_graphs
         self.staging = HostStaging(device)  # each step's inputs: one packed host buffer, one copy
+        self.block_table = BlockTable()  # the running requests' block tables, kept from step to step
         self.adapters: LoRARegistry | None = None  # set where LoRA adapters are served
         self.adapter_slots: AdapterSlots | None = None  # and on CUDA, their slot buffers
 
@@ -138,8 +140,9 @@ class ModelRunner:
                 sample_requests.append(request)
         plan = PromptLogprobRows.plan(sample_rows, wanted_prompt_rows, self.device)
         kept_rows = plan.kept_rows if plan is not None else sample_rows
-        inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, kept_rows, self.block_size,
-                                  self.staging)
+        padded = self.block_table.step([request.request_id for request, _ in scheduled], tables)
+        inputs = StepInputs.build(input_ids, positions, query_lens, seq_lens, tables, padded, kept_rows,
+                                  self.block_size, self.staging)
         if self.adapters is not None and any(request.lora is not None for request, _ in scheduled):
             rows = [(n, self.adapters.weights(r.lora) if r.lora is not None else None) for r, n in scheduled]
             inputs.lora = (self.adapter_slots.step(rows, kept_rows) if self.adapter_slots is not None

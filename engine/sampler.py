@@ -18,7 +18,7 @@ from kvloom.engine.counter_draws import Lane, uniform
 from kvloom.engine.logits_processors import adjust_rows
 from kvloom.engine.request import Request
 from kvloom.engine.sampling import SamplingParams
-from kvloom.engine.step_plan import to_device
+from kvloom.engine.step_plan import device_index, to_device
 from kvloom.engine.structured_output import mask_disallowed
 from kvloom.kernels.fused_ops import argmax_rows
 
@@ -86,7 +86,7 @@ def filtered_logits(logits: torch.Tensor, knobs: DrawKnobs) -> torch.Tensor:
     if len(knobs.filtering) == len(scaled):
         return _top_k_top_p(scaled, knobs.top_k, knobs.top_p, *bounds)
     if knobs.filtering:
-        rows = torch.tensor(knobs.filtering, device=logits.device)
+        rows = device_index(knobs.filtering, logits.device)
         scaled[rows] = _top_k_top_p(scaled[rows], knobs.top_k[rows], knobs.top_p[rows], *bounds)
     return scaled
 
@@ -108,7 +108,7 @@ def draw_from(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 def draw(probs: torch.Tensor, u: float) -> int:
     """One row's draw: [vocab] probabilities and a uniform in [0, 1)."""
-    return int(draw_from(probs.unsqueeze(0), torch.tensor([u], device=probs.device))[0])
+    return int(draw_from(probs.unsqueeze(0), to_device(torch.tensor([u]), probs.device))[0])
 
 
 def _draw_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -116,7 +116,7 @@ def _draw_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     group through all its passes while it is in cache."""
     uniforms = [uniform(r.draw_seed, r.num_output_tokens, Lane.TOKEN) for r in requests]
     knobs = DrawKnobs.of([r.sampling_params for r in requests], logits.shape[-1], logits.device, uniforms)
-    per_pass = len(requests) if logits.device.type != "cpu" else max(1, CPU_PASS_ELEMENTS // logits.shape[-1])
+    per_pass = rows_per_pass(logits)
     drawn = []
     for start in range(0, len(requests), per_pass):
         part = knobs.part(start, start + per_pass)
@@ -125,22 +125,42 @@ def _draw_rows(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     return torch.cat(drawn)
 
 
+def rows_per_pass(logits: torch.Tensor) -> int:
+    """How many rows of `logits` [rows, vocab] one pass of per-row work takes: all on an accelerator, on CPU a
+    group that stays in cache."""
+    return len(logits) if logits.device.type != "cpu" else max(1, CPU_PASS_ELEMENTS // logits.shape[-1])
+
+
 def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """The listed rows widened to float32: the logits themselves where they are all rows and float32 already."""
     if len(rows) == logits.shape[0]:
         return logits.float()
-    return logits.index_select(0, torch.tensor(rows, device=logits.device)).float()
+    return logits.index_select(0, device_index(rows, logits.device)).float()
 
 
 def _put(tokens: torch.Tensor, rows: list[int], values: torch.Tensor) -> torch.Tensor:
-    return tokens.index_copy(0, torch.tensor(rows, device=tokens.device), values)
+    return tokens.index_copy(0, device_index(rows, tokens.device), values)
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-    """`logits` is [len(requests), vocab] in the model's dtype. Greedy rows read the logits as they are (no
-    widened copy of the batch's); the rows that draw or are adjusted are widened to float32, alone."""
+    """`logits` is [len(requests), vocab] in the model's dtype; the tokens come to the host in one copy (and the
+    logprobs a request asked for in one more)."""
     wanting = [row for row, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-    raw = logits[wanting].float().log_softmax(-1) if wanting else None  # before any mask: the model's own
+    # before any mask: the model's own
+    raw = logits.index_select(0, device_index(wanting, logits.device)).float().log_softmax(-1) if wanting else None
+    token_ids = sample_tokens(logits, requests).tolist()
+    if raw is None:
+        return [SampledToken(t, None) for t in token_ids]
+    chosen = logprobs_of(raw, [token_ids[row] for row in wanting], [requests[row].sampling_params.logprobs
+                                                                    for row in wanting])
+    per_row = dict(zip(wanting, chosen))
+    return [SampledToken(t, per_row.get(row)) for row, t in enumerate(token_ids)]
+
+
+def sample_tokens(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """The rows' token ids, int64 [rows] on the logits' device (nothing waits on the device). Greedy rows read the
+    logits as they are (no widened copy of the batch's); the rows that draw or are adjusted are widened to float32,
+    alone. Grammar masks and adjustments go into `logits` in place."""
     constrained = [row for row, r in enumerate(requests) if r.grammar is not None]
     if constrained:
         mask_disallowed(logits, [requests[row].grammar for row in constrained], constrained)
@@ -156,18 +176,12 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         if drawing:
             drawn = _draw_rows(_rows(rows, drawing), [chosen[i] for i in drawing])
             tokens = _put(tokens, [working[i] for i in drawing], drawn)
-    token_ids = tokens.tolist()
-    if raw is None:
-        return [SampledToken(t, None) for t in token_ids]
-    chosen = logprobs_of(raw, [token_ids[row] for row in wanting], [requests[row].sampling_params.logprobs
-                                                                    for row in wanting])
-    per_row = dict(zip(wanting, chosen))
-    return [SampledToken(t, per_row.get(row)) for row, t in enumerate(token_ids)]
+    return tokens
 
 
 def logprobs_of(logprobs: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[dict[int, float]]:
     """Per row of `logprobs` [rows, vocab]: its chosen token's logprob first, then its top `num_top`."""
-    index = torch.tensor(tokens, device=logprobs.device).unsqueeze(1)
+    index = device_index(tokens, logprobs.device).unsqueeze(1)
     chosen = logprobs.gather(1, index).squeeze(1).tolist()
     top = logprobs.topk(max(num_top))
     values, indices = top.values.tolist(), top.indices.tolist()

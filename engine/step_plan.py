@@ -6,9 +6,10 @@ block tables, LM-head rows), so a worker runs the same forward with no scheduler
 RPC: two broadcasts a step, whatever the batch.
 """
 
-import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvloom.engine.lora.lora_step import NO_LORA, LoRAStep
@@ -42,13 +43,15 @@ class StepInputs:
 
     @classmethod
     def build(cls, input_ids: list[int], positions: list[int], query_lens: list[int], seq_lens: list[int],
-              tables: list[list[int]], sample_rows: list[int], block_size: int, staging: "HostStaging") -> "StepInputs":
-        """The step's inputs from host lists: packed into one int64 host buffer, one copy to the device (the
-        body `encode` lays out)."""
-        slots, starts, padded = AttentionMetadata.host_layout(query_lens, seq_lens, tables, block_size)
-        body = staging.to_device([*input_ids, *positions, *slots, *starts, *seq_lens, *itertools.chain(*padded),
-                                  *sample_rows])
-        return cls._split(body, len(input_ids), len(query_lens), len(padded[0]) if padded else 1, len(sample_rows),
+              tables: list[list[int]], padded_tables: np.ndarray, sample_rows: list[int], block_size: int,
+              staging: "HostStaging") -> "StepInputs":
+        """The step's inputs from host lists (`tables`: each request's blocks, for its slots) and its padded block
+        tables ([requests, width], a `BlockTable`'s rows): packed into one int64 host buffer, one copy to the device
+        (the body `encode` lays out)."""
+        slots, starts = AttentionMetadata.host_layout(query_lens, seq_lens, tables, block_size)
+        body = staging.to_device([[*input_ids, *positions, *slots, *starts, *seq_lens], padded_tables.ravel(),
+                                  sample_rows])
+        return cls._split(body, len(input_ids), len(query_lens), padded_tables.shape[1], len(sample_rows),
                           query_lens, seq_lens)
 
     @classmethod
@@ -81,6 +84,11 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def device_index(rows: list[int], device: torch.device) -> torch.Tensor:
+    """Row indices (int64) on `device` through `to_device`: never a blocking copy from pageable memory mid-step."""
+    return to_device(torch.tensor(rows, dtype=torch.long), device)
+
+
 class HostStaging:
     """The host buffer a step's inputs are packed into: pinned on CUDA and reused, grown when a step needs more,
     so each step is one non-blocking copy from memory the device can read directly. Before the buffer is
@@ -91,20 +99,30 @@ class HostStaging:
         self.buffer = torch.empty(0, dtype=torch.int64)
         self.copied: torch.cuda.Event | None = None
 
-    def to_device(self, values: list[int]) -> torch.Tensor:
+    def to_device(self, parts: list[Sequence[int]]) -> torch.Tensor:
+        """`parts` (lists or arrays of ints) end to end, as one int64 tensor on the device."""
+        total = sum(len(part) for part in parts)
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.int64)
-        if len(values) > len(self.buffer):
-            self.buffer = torch.empty(max(len(values), 2 * len(self.buffer), 1024), dtype=torch.int64,
-                                      pin_memory=True)
+            return torch.from_numpy(_pack(np.empty(total, dtype=np.int64), parts))
+        if total > len(self.buffer):
+            self.buffer = torch.empty(max(total, 2 * len(self.buffer), 1024), dtype=torch.int64, pin_memory=True)
         if self.copied is not None:
             self.copied.synchronize()
-        host = self.buffer[: len(values)]
-        host.numpy()[:] = values
+        host = self.buffer[:total]
+        _pack(host.numpy(), parts)
         on_device = host.to(self.device, non_blocking=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
         return on_device
+
+
+def _pack(out: np.ndarray, parts: list[Sequence[int]]) -> np.ndarray:
+    """`parts` written end to end into `out` (a copy: nothing of them is read after)."""
+    start = 0
+    for part in parts:
+        out[start : start + len(part)] = part
+        start += len(part)
+    return out
 
 
 def control_header(op: int, body_len: int = 0) -> torch.Tensor:

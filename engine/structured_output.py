@@ -25,6 +25,7 @@ import torch
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.model.fast_tokenizer import as_huggingface
 from kvloom.engine.sampling import StructuredOutputs
+from kvloom.engine.step_plan import device_index
 
 COMPILED_CACHE_SIZE = 256  # constraints kept compiled (clients tend to reuse a few schemas)
 
@@ -99,5 +100,5 @@ def mask_disallowed(logits: torch.Tensor, grammars: list[OutputGrammar], rows: l
     bitmask = bitmask.to(logits.device, non_blocking=True)
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(rows), -1)[:, : logits.shape[-1]]
-    index = torch.tensor(rows, device=logits.device)
+    index = device_index(rows, logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -30,17 +30,22 @@ class AttentionMetadata:
 
     @staticmethod
     def host_layout(query_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-                    block_size: int) -> tuple[list[int], list[int], list[list[int]]]:
-        """(slot mapping, query start locations, block tables padded to one width) as host lists."""
+                    block_size: int) -> tuple[list[int], list[int]]:
+        """(slot mapping, query start locations) as host lists."""
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s_len - q_len, s_len):
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
-        width = max((len(t) for t in block_tables), default=0) or 1
         starts = [0]
         for q_len in query_lens:
             starts.append(starts[-1] + q_len)
-        return slots, starts, [t + [0] * (width - len(t)) for t in block_tables]
+        return slots, starts
+
+    @staticmethod
+    def padded(block_tables: list[list[int]]) -> list[list[int]]:
+        """The tables padded with 0 to the longest's width (at least one block)."""
+        width = max((len(t) for t in block_tables), default=0) or 1
+        return [t + [0] * (width - len(t)) for t in block_tables]
 
     @staticmethod
     def build(
@@ -51,12 +56,12 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
     ) -> "AttentionMetadata":
         """Derive slot mapping and padded tables from per-request host lists."""
-        slots, starts, padded = AttentionMetadata.host_layout(query_lens, seq_lens, block_tables, block_size)
+        slots, starts = AttentionMetadata.host_layout(query_lens, seq_lens, block_tables, block_size)
         return AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(AttentionMetadata.padded(block_tables), dtype=torch.int32, device=device),
             query_lens=list(query_lens),
             seq_lens_host=list(seq_lens),
             max_query_len=max(query_lens, default=0),

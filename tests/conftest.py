@@ -264,6 +264,48 @@ def chi_square_fixture():
     return chi_square_p
 
 
+SIZED_BY_VALUES = {"nonzero", "masked_select", "_local_scalar_dense"}  # ops whose result needs the values on the host
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """`with host_reads() as reads:` lists what in the block reads tensor values on the host: `tolist`, `numpy`,
+    `cpu`, a Python scalar of a tensor (`item`, `bool`, `int`, `float`), an op whose result's size depends on
+    values (nonzero, a boolean index). On an accelerator each is a device-to-host copy that waits for the device;
+    on CPU tensors the reads are counted all the same."""
+    from contextlib import contextmanager
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class ValueReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            indices = args[1] if name.startswith("index") and isinstance(args[1], (list, tuple)) else ()
+            boolean_index = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+            if name in SIZED_BY_VALUES or boolean_index:
+                reads.append(name)
+            return func(*args, **(kwargs or {}))
+
+    def spy(name: str):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            reads.append(name)
+            return original(self, *args, **kwargs)
+        return read
+
+    @contextmanager
+    def counting():
+        with monkeypatch.context() as patch, ValueReads():
+            for name in ("tolist", "numpy", "cpu"):
+                patch.setattr(torch.Tensor, name, spy(name))
+            yield reads
+
+    return counting
+
+
 @pytest.fixture(scope="session")
 def greedy_reference():
     return hf_greedy

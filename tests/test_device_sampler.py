@@ -17,6 +17,7 @@ from kvloom.engine.logits_processors import LogitsAdjuster, adjust_rows
 from kvloom.engine.request import Request
 from kvloom.engine.sampler import DrawKnobs, filtered_logits, sample, sampling_probs
 from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.speculation.rejection_sampler import verify
 
 VOCAB = 40
 
@@ -130,3 +131,41 @@ def test_greedy_rows_read_the_model_dtype_and_drawing_rows_do_not_change_them(dt
     chosen = sampled[1].logprobs
     assert list(chosen)[0] == sampled[1].token_id and len(chosen) == 2  # the chosen one is also the best
     assert sampled[0].logprobs is None
+
+
+def test_the_sampler_sends_its_host_tensors_through_pinned_staging(monkeypatch, host_reads):
+    """Row indices, knobs and uniforms reach the logits' device through `to_device` (pinned, a non-blocking copy on
+    CUDA), in sampling and in the verification of drafts: no tensor is built on the device from a Python list, nor
+    are tensors indexed by one (each a blocking copy from pageable memory mid-step). A step's tokens come back in
+    one copy, its logprobs in their own."""
+    built_on_device, list_indexed = [], []
+    tensor, getitem, setitem = torch.tensor, torch.Tensor.__getitem__, torch.Tensor.__setitem__
+
+    def watched_tensor(data, *args, **kwargs):
+        if kwargs.get("device") is not None:
+            built_on_device.append(kwargs["device"])
+        return tensor(data, *args, **kwargs)
+
+    def watched(original):
+        def index(self, key, *args):
+            if isinstance(key, list) or isinstance(key, tuple) and any(isinstance(k, list) for k in key):
+                list_indexed.append(key)
+            return original(self, key, *args)
+        return index
+
+    torch.manual_seed(5)
+    params = MIXED + [SamplingParams(temperature=0.8, presence_penalty=0.5, logit_bias={3: 2.0}),
+                      SamplingParams(temperature=0, allowed_token_ids=[2, 5, 9], logprobs=1)]
+    batch = [request(p, seed=row, outputs=3) for row, p in enumerate(params)]
+    batch[-1].logits_adjuster.banned_by_allowed(VOCAB, torch.device("cpu"))  # once a request, built on the host
+    drafted = [request(SamplingParams(temperature=0.9, top_k=5), seed=1),
+               request(SamplingParams(temperature=0), seed=2)]
+    drafted[0].spec_token_ids, drafted[1].spec_token_ids = [3, 4], [5]
+    monkeypatch.setattr(torch, "tensor", watched_tensor)
+    monkeypatch.setattr(torch.Tensor, "__getitem__", watched(getitem))
+    monkeypatch.setattr(torch.Tensor, "__setitem__", watched(setitem))
+    with host_reads() as reads:
+        sample(torch.randn(len(params), VOCAB), batch)
+    verify(torch.randn(5, VOCAB), drafted)  # its reads: tests/test_speculative_decoding.py
+    assert built_on_device == [] and list_indexed == []
+    assert reads == ["tolist"] * 4  # the tokens; the logprobs: chosen, top values, top indices

@@ -185,6 +185,61 @@ def test_greedy_verification_keeps_the_agreeing_prefix_and_the_target_token_afte
     assert [t.token_id for t in kept] == [4, 6, 1, 8]
 
 
+def mixed_verification_step(vocab: int = 30) -> tuple[torch.Tensor, list[Request]]:
+    """A step with every kind of row verification sees: greedy drafts (two kept, the third refused), drafts of
+    sampled requests as point masses (prompt lookup's) and with a draft model's distribution (one asking for
+    logprobs), requests without drafts (sampled and greedy)."""
+    torch.manual_seed(3)
+    requests = [request_with_drafts(SamplingParams(temperature=0), [4, 6, 2], seed=1),
+                request_with_drafts(SamplingParams(temperature=0.9, top_k=10), [7, 8, 9], seed=2),
+                request_with_drafts(SamplingParams(temperature=1.1, top_p=0.8, logprobs=2), [1, 2, 3],
+                                    torch.softmax(torch.randn(3, vocab), -1), seed=3),
+                request_with_drafts(SamplingParams(temperature=0.7), [], seed=4),
+                request_with_drafts(SamplingParams(temperature=0), [], seed=5)]
+    logits = torch.randn(sum(len(r.spec_token_ids) + 1 for r in requests), vocab)
+    for row, token in [(0, 4), (1, 6), (4, 7), (5, 8), (8, 1)]:  # likely drafts, kept sometimes
+        logits[row, token] += 4
+    return logits, requests
+
+
+def token_ids(kept: list[list]) -> list[list[int]]:
+    return [[t.token_id for t in tokens] for tokens in kept]
+
+
+def test_verification_reads_the_device_once_a_step(host_reads, monkeypatch):
+    """Every row is judged on the device, and the step's tokens come to the host in one copy (logprobs aside: one
+    more, for the requests that ask). On CPU, where reading is free, rows after a refused draft are skipped: the
+    same tokens."""
+    from kvloom.engine.speculation import rejection_sampler
+
+    logits, requests = mixed_verification_step()
+    requests[2].sampling_params = requests[2].sampling_params.model_copy(update={"logprobs": None})
+    on_cpu = verify(logits, requests)
+    monkeypatch.setattr(rejection_sampler, "reads_are_free", lambda device: False)  # as on an accelerator
+    with host_reads() as reads:
+        as_on_device = verify(logits, requests)
+    assert reads == ["tolist"]
+    assert token_ids(as_on_device) == token_ids(on_cpu)
+    assert len(on_cpu[0]) == 3 and [len(kept) for kept in on_cpu[3:]] == [1, 1]
+    assert any(len(kept) < len(r.spec_token_ids) for kept, r in zip(on_cpu[1:3], requests[1:3])), \
+        "no sampled request refused a draft before its last: nothing was skipped"
+
+
+def test_a_seeded_requests_verified_tokens_do_not_depend_on_its_neighbours():
+    """Counter-based draws at (seed, position, lane): a request verified alone, or with its neighbours in another
+    order, keeps the same tokens with the same logprobs."""
+    logits, requests = mixed_verification_step()
+    starts = [0]
+    for r in requests:
+        starts.append(starts[-1] + len(r.spec_token_ids) + 1)
+    rows = [logits[start:end] for start, end in zip(starts, starts[1:])]
+    together = verify(logits, requests)
+    assert together[2][0].logprobs is not None
+    for i, request in enumerate(requests):
+        assert verify(rows[i], [request])[0] == together[i]
+    assert verify(torch.cat(rows[::-1]), requests[::-1]) == together[::-1]
+
+
 class FixedDrafts(Proposer):
     """A deliberately poor proposer: the same tokens whatever the context."""
 

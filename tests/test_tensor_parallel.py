@@ -23,6 +23,7 @@ from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
+from kvloom.engine.block_table import BlockTable
 from kvloom.engine.step_plan import HostStaging, StepInputs
 from kvloom.engine.tensor_parallel.tp_group import TensorParallelError
 from kvloom.engine.tensor_parallel.tp_shards import ShardedCheckpoint, plan_shards
@@ -85,8 +86,10 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir):
 def test_a_step_plan_survives_its_compact_form():
     """Built from host lists in one packed buffer (what the runner does each step), it equals the metadata built
     field by field, and its compact form (what a tensor-parallel driver broadcasts) decodes back to it."""
-    meta = AttentionMetadata.build([3, 1], [7, 12], [[4, 9], [1, 2, 5]], 4)
-    inputs = StepInputs.build([5, 6, 7, 8], [4, 5, 6, 11], [3, 1], [7, 12], [[4, 9], [1, 2, 5]], [2, 3], 4,
+    tables = [[4, 9], [1, 2, 5]]
+    meta = AttentionMetadata.build([3, 1], [7, 12], tables, 4)
+    padded = BlockTable().step(["a", "b"], tables)
+    inputs = StepInputs.build([5, 6, 7, 8], [4, 5, 6, 11], [3, 1], [7, 12], tables, padded, [2, 3], 4,
                               HostStaging(torch.device("cpu")))
     for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
         built, expected = getattr(inputs.meta, name), getattr(meta, name)

@@ -9,63 +9,143 @@ top-p applied) and q the draft's; the first rejected position draws from norm(ma
 are kept the last row draws a bonus token from p. Each position's token is then distributed exactly as
 p: a proposer can cost speed, never change what is sampled. Drafts without probabilities (prompt lookup)
 have a point mass q on the drafted token.
+
+Every row of the step is judged at once on the device, as in vLLM's v1 rejection sampler: each row gets the
+target's token there (the argmax, or a draw from the residual) and whether its draft is kept; a request outputs
+its rows' tokens up to and including its first row whose draft is not kept, and the step's tokens come to the host
+in one copy. The uniforms are counter-based (`counter_draws`), computed on the host: draft i's acceptance test and
+the token drawn at its position use that position's own lanes, so a seeded request's draws depend on neither how
+many drafts came before nor its neighbours.
 """
+
+import itertools
+from dataclasses import dataclass
 
 import torch
 
-from kvloom.engine.request import Request
 from kvloom.engine.counter_draws import Lane, uniform
-from kvloom.engine.sampler import SampledToken, draw, logprobs_of, sample, sampling_probs
+from kvloom.engine.request import Request
+from kvloom.engine.sampler import (DrawKnobs, SampledToken, draw_from, filtered_logits, logprobs_of, rows_per_pass,
+                                   sample_tokens)
+from kvloom.engine.step_plan import device_index, to_device
+
+PLACEHOLDER = -1  # a request's last row's draft (it has none), and the token of a row a request does not output
+
+
+@dataclass
+class StepRows:
+    """The step's rows as the host knows them: request i's are starts[i]..starts[i + 1] - 1."""
+    starts: list[int]
+    drafts: list[int]  # per row, the token drafted for its position (PLACEHOLDER on a request's last row)
+
+    @classmethod
+    def of(cls, requests: list[Request]) -> "StepRows":
+        return cls(list(itertools.accumulate((len(r.spec_token_ids) + 1 for r in requests), initial=0)),
+                   [t for r in requests for t in (*r.spec_token_ids, PLACEHOLDER)])
+
+    def rows(self, requests: list[int]) -> list[int]:
+        return [row for i in requests for row in range(self.starts[i], self.starts[i + 1])]
+
+    def first_rows(self) -> list[int]:
+        """Per row, its request's first row."""
+        return [start for start, end in zip(self.starts, self.starts[1:]) for _ in range(end - start)]
 
 
 def verify(logits: torch.Tensor, requests: list[Request]) -> list[list[SampledToken]]:
     """`logits`: len(spec_token_ids) + 1 rows per request, in request order; returns the tokens each keeps."""
-    counts = [len(r.spec_token_ids) + 1 for r in requests]
-    starts = [sum(counts[:i]) for i in range(len(counts))]
-    # rows drawn one by one as in a plain step: requests without drafts, and greedy ones (argmax per row)
-    plain = [i for i, r in enumerate(requests) if counts[i] == 1 or r.sampling_params.greedy]
-    rows = [starts[i] + j for i in plain for j in range(counts[i])]
-    drawn = iter(sample(logits[rows], [requests[i] for i in plain for _ in range(counts[i])]))
-    per_row = {i: [next(drawn) for _ in range(counts[i])] for i in plain}
-    kept = []
-    for i, request in enumerate(requests):
-        if i in per_row:
-            kept.append(_longest_agreeing_prefix(per_row[i], request.spec_token_ids))
-        else:
-            kept.append(_rejection_sample(logits[starts[i] : starts[i] + counts[i]], request))
-    return kept
+    layout, device = StepRows.of(requests), logits.device
+    host = to_device(torch.tensor([layout.drafts, layout.first_rows()], dtype=torch.long), device)
+    drafts, first_rows = host[0], host[1]
+    targets = torch.empty_like(drafts)  # per row, the target's token at its position
+    kept = torch.empty_like(drafts, dtype=torch.bool)  # per row, whether its draft is kept
+    drawing = [i for i, r in enumerate(requests) if r.spec_token_ids and not r.sampling_params.greedy]
+    plain = [i for i, r in enumerate(requests) if not r.spec_token_ids or r.sampling_params.greedy]
+    for group, judge in ((plain, _judge_plain), (drawing, _judge_drawing)):
+        if group:
+            index = device_index(layout.rows(group), device)
+            group_targets, group_kept = judge(logits, index, [requests[i] for i in group],
+                                              drafts.index_select(0, index))
+            targets.index_copy_(0, index, group_targets)
+            kept.index_copy_(0, index, group_kept)
+    refused = (~kept).long()
+    refused_before = refused.cumsum(0) - refused  # over the step: those before a request's first row are not its own
+    out = torch.where(kept, drafts, targets).masked_fill(refused_before > refused_before[first_rows], PLACEHOLDER)
+    per_row = out.tolist()  # the step's one device-to-host copy
+    tokens = [per_row[start:end] for start, end in zip(layout.starts, layout.starts[1:])]
+    return _with_logprobs(logits, requests, layout.starts, [t[: t.index(PLACEHOLDER)] if PLACEHOLDER in t else t
+                                                            for t in tokens])
 
 
-def _longest_agreeing_prefix(target: list[SampledToken], drafts: list[int]) -> list[SampledToken]:
-    accepted = 0
-    while accepted < len(drafts) and target[accepted].token_id == drafts[accepted]:
-        accepted += 1
-    return target[: accepted + 1]
+def _judge_plain(logits: torch.Tensor, index: torch.Tensor, requests: list[Request], drafts: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows at `index` drawn as in a plain step (a greedy request's: the argmax), from a copy (the sampler
+    masks its rows in place; the logprobs read the model's own); a draft is kept where it is that token."""
+    rows = [r for r in requests for _ in range(len(r.spec_token_ids) + 1)]
+    tokens = sample_tokens(logits.index_select(0, index), rows)
+    return tokens, tokens == drafts
 
 
-def _rejection_sample(logits: torch.Tensor, request: Request) -> list[SampledToken]:
-    """Draft i's acceptance test and the token drawn at its position use that position's counter-based uniforms
-    (their own lanes), so a seeded request's draws do not depend on how many drafts came before."""
-    params, drafts, draft_probs = request.sampling_params, request.spec_token_ids, request.spec_probs
-    first, seed = request.num_output_tokens, request.draw_seed
-    raw = logits.float()
-    kept: list[int] = []
-    for i, token in enumerate(drafts):
-        p = sampling_probs(raw[i], params)
-        q_token = float(draft_probs[i, token]) if draft_probs is not None else 1.0
-        if uniform(seed, first + i, Lane.ACCEPT) * q_token < float(p[token]):  # u < p/q without dividing by 0
-            kept.append(token)
+def _judge_drawing(logits: torch.Tensor, index: torch.Tensor, requests: list[Request], drafts: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows at `index`, of sampled requests with drafts, a few at a time on CPU (`rows_per_pass`). There, where
+    reading a result costs no transfer, rows after one whose draft is refused are skipped: nothing of them is output."""
+    rows = [(i, r, j) for i, r in enumerate(requests) for j in range(len(r.spec_token_ids) + 1)]
+    knobs = DrawKnobs.of([r.sampling_params for _, r, _ in rows], logits.shape[-1], logits.device,
+                         [uniform(r.draw_seed, r.num_output_tokens + j, Lane.TOKEN) for _, r, j in rows])
+    # float64: u * q as exact as on the host; point: 1 on a draft without a distribution (a point mass q)
+    host = to_device(torch.tensor([[uniform(r.draw_seed, r.num_output_tokens + j, Lane.ACCEPT),
+                                    float(r.spec_probs is None and j < len(r.spec_token_ids))] for _, r, j in rows],
+                                  dtype=torch.float64), logits.device)
+    u_accept, point = host[:, 0], host[:, 1].float()
+    step, skips, refused = rows_per_pass(logits), reads_are_free(logits.device), set()
+    tokens, kept = [], []
+    for start in range(0, len(rows), step):
+        end = start + step
+        owners = [i for i, _, _ in rows[start:end]]
+        if skips and refused.issuperset(owners):
+            tokens.append(torch.zeros(len(owners), dtype=torch.long))
+            kept.append(torch.zeros(len(owners), dtype=torch.bool))
             continue
-        if draft_probs is not None:
-            residual = (p - draft_probs[i]).clamp_min_(0)
-        else:
-            residual = p.clone()
-            residual[token] = 0
-        kept.append(draw(residual if float(residual.sum()) > 0 else p, uniform(seed, first + i, Lane.TOKEN)))
-        break
-    else:
-        kept.append(draw(sampling_probs(raw[len(drafts)], params), uniform(seed, first + len(drafts), Lane.TOKEN)))
-    if params.logprobs is None:
-        return [SampledToken(t, None) for t in kept]
-    logprobs = logprobs_of(raw[: len(kept)].log_softmax(-1), kept, [params.logprobs] * len(kept))
-    return [SampledToken(t, lp) for t, lp in zip(kept, logprobs)]
+        part, draft = knobs.part(start, end), drafts[start:end].clamp_min(0).unsqueeze(1)
+        p = filtered_logits(logits.index_select(0, index[start:end]).float(), part).softmax(-1)
+        q = _draft_probs(rows[start:end], logits.shape[-1], logits.device)
+        q.scatter_add_(1, draft, point[start:end, None])  # the point masses
+        p_draft, q_draft = p.gather(1, draft).squeeze(1), q.gather(1, draft).squeeze(1)
+        # draft d is kept when u * q(d) < p(d) (u < p/q without dividing by 0)
+        kept.append((drafts[start:end] != PLACEHOLDER) & (u_accept[start:end] * q_draft.double() < p_draft.double()))
+        # the token drawn from the residual max(0, p - q), or from p where nothing remains of it (a request's last
+        # row, where q is 0: its bonus token from p)
+        residual = (p - q).clamp_min_(0)
+        tokens.append(draw_from(torch.where(residual.sum(-1, keepdim=True) > 0, residual, p), part.uniform))
+        if skips:
+            refused.update(i for i, k in zip(owners, kept[-1].tolist()) if not k)
+    return torch.cat(tokens), torch.cat(kept)
+
+
+def reads_are_free(device: torch.device) -> bool:
+    """Whether reading a result on the host costs no device-to-host copy (CPU)."""
+    return device.type == "cpu"
+
+
+def _draft_probs(rows: list[tuple[int, Request, int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """The draft model's distributions of these rows (request index, request, draft position), float32
+    [rows, vocab]; 0 where there is none (a point mass, or a request's last row)."""
+    modelled = [r.spec_probs[j] if r.spec_probs is not None and j < len(r.spec_token_ids) else None
+                for _, r, j in rows]
+    if all(q is None for q in modelled):
+        return torch.zeros(len(rows), vocab, device=device)
+    zero = torch.zeros(vocab, device=device)
+    return torch.stack([zero if q is None else q.float() for q in modelled])
+
+
+def _with_logprobs(logits: torch.Tensor, requests: list[Request], starts: list[int], kept: list[list[int]]
+                   ) -> list[list[SampledToken]]:
+    """The kept tokens, with the logprobs their requests asked for (the model's own, at the tokens' rows)."""
+    wanting = [(i, j) for i, r in enumerate(requests) if r.sampling_params.logprobs is not None
+               for j in range(len(kept[i]))]
+    found = {}
+    if wanting:
+        raw = logits.index_select(0, device_index([starts[i] + j for i, j in wanting], logits.device))
+        found = dict(zip(wanting, logprobs_of(raw.float().log_softmax(-1), [kept[i][j] for i, j in wanting],
+                                              [requests[i].sampling_params.logprobs for i, _ in wanting])))
+    return [[SampledToken(t, found.get((i, j))) for j, t in enumerate(tokens)] for i, tokens in enumerate(kept)]

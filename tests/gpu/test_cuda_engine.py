@@ -103,3 +103,75 @@ def test_decode_graphs_replay_what_eager_steps_compute(tiny_model_dir, cpu_greed
                   max_num_seqs=16)
     assert eager.engine.runner.graphs is None and graphed.engine.runner.graphs.sizes == [1, 2, 4, 8, 16]
     assert token_ids(graphed, prompts()) == token_ids(eager, prompts()) == cpu_greedy
+
+
+def waits_for_the_device(call) -> int:
+    """How many times `call()` waits for the device: torch's sync debug mode warns at each."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_sampling_and_verification_wait_for_the_device_once_a_step():
+    """Every row's draw and every draft's verdict are made on the device, from host tensors sent through pinned
+    memory; a step's tokens come back in one copy (issue 74: the rejection sampler waited per row and draft). The
+    verified tokens are the CPU's (counter-based draws, float32 logits)."""
+    from kvloom.engine.counter_draws import seed_words
+    from kvloom.engine.request import Request
+    from kvloom.engine.sampler import sample
+    from kvloom.engine.speculation.rejection_sampler import verify
+
+    def step(device: str) -> list[Request]:
+        def request(params, drafts=(), probs=None, seed=0):
+            r = Request("r", [1, 2, 3], params, draw_seed=seed_words(seed))
+            r.spec_token_ids, r.spec_probs = list(drafts), None if probs is None else probs.to(device)
+            return r
+
+        return [request(SamplingParams(temperature=0), [4, 6, 2]),
+                request(SamplingParams(temperature=0.9, top_k=10), [7, 8], seed=1),
+                request(SamplingParams(temperature=1.1, top_p=0.8), [1, 2, 3], draft_probs, seed=2),
+                request(SamplingParams(temperature=0.7), seed=3), request(SamplingParams(temperature=0), seed=4)]
+
+    torch.manual_seed(0)
+    vocab = 1000
+    draft_probs = torch.softmax(torch.randn(3, vocab), -1)
+    logits = torch.randn(13, vocab)  # the rows: 4, 3, 4, 1 and 1
+    for row, token in [(0, 4), (1, 6), (4, 7), (7, 1)]:
+        logits[row, token] += 6
+    on_cuda = logits.cuda()
+    verify(on_cuda, step("cuda"))  # warm: the pinned host allocator, the kernels
+    assert waits_for_the_device(lambda: verify(on_cuda, step("cuda"))) == 1
+    ids = [[t.token_id for t in kept] for kept in verify(on_cuda, step("cuda"))]
+    assert ids == [[t.token_id for t in kept] for kept in verify(logits, step("cpu"))]
+    plain = [Request("p", [1], SamplingParams(temperature=t, top_p=0.9), draw_seed=seed_words(i))
+             for i, t in enumerate([0, 0.8, 1.2])]
+    assert waits_for_the_device(lambda: sample(on_cuda[:3], plain)) == 1
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_on_cuda_draws_what_the_cpu_engine_draws(tiny_model_dir, method):
+    """Greedy and seeded sampled requests, drafted by prompt lookup (point masses, mostly refused by this random
+    model) or by the target itself as a draft model (all kept): the CUDA engine, verifying on the device and keeping
+    its block tables from step to step, gives the CPU engine's tokens and counts."""
+    spec = {"method": method, "num_speculative_tokens": 3,
+            **({"model": str(tiny_model_dir)} if method == "draft_model" else
+               {"prompt_lookup_min": 1, "prompt_lookup_max": 3})}
+    batch = [p[:8] * 4 for p in prompts(12)]
+    params = [SamplingParams(max_tokens=24, temperature=0 if i % 3 == 0 else 0.9, top_k=40, seed=i, ignore_eos=True)
+              for i in range(12)]
+    runs, stats = {}, {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(tiny_model_dir), device=device, dtype="float32", kv_cache_memory_bytes=1 << 24,
+                  speculative_config=spec)
+        runs[device] = [out.outputs[0].token_ids for out in llm.generate(batch, params)]
+        stats[device] = llm.engine.spec_decode_stats
+    assert runs["cuda"] == runs["cpu"]
+    assert stats["cuda"].num_draft_tokens > 0 and stats["cuda"] == stats["cpu"]
