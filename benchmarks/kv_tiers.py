@@ -31,6 +31,7 @@ from kvloom.kernels.host_isa import host_isa
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 QUESTION_TOKENS, ANSWER_TOKENS = 48, 32
+SETUPS = ("tiers off", "host tier", "host + disk")
 
 
 def conversation_tokens(args, tokenizer) -> tuple[list[int], list[list[list[int]]]]:
@@ -70,7 +71,8 @@ def run(engine: LLMEngine, system: list[int], questions: list[list[list[int]]], 
     stats = engine.stats()
     return {"wall_s": wall, "output_tok_s": generated / wall, "ttft_p50_s": statistics.median(ttft),
             "ttft_p99_s": statistics.quantiles(ttft, n=100)[98], "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_queries": stats.prefix_cache_queries, "kv_tiers": stats.kv_tiers}
+            "prefix_cache_queries": stats.prefix_cache_queries, "preemptions": stats.num_preemptions,
+            "kv_tiers": stats.kv_tiers}
 
 
 def prefill_s(engine: LLMEngine, prompt: list[int], rounds: int = 3) -> float:
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--system-tokens", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=16, help="requests added together (and max_num_seqs)")
     parser.add_argument("--pool-fraction", type=float, default=0.25, help="the KV pool over the working set")
+    parser.add_argument("--setups", default=",".join(SETUPS), help="which setups to run (comma-separated; the report "
+                        "needs them all)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     args.system_words = args.system_tokens
@@ -112,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                   "host + disk": {"host_bytes": tier_bytes // 8, "host_path": host,
                                   "disk": {"path": disk, "bytes": tier_bytes}}}
         for name, tiers in setups.items():
+            if name not in args.setups.split(","):
+                continue
             for folder in (host, disk):
                 shutil.rmtree(folder, ignore_errors=True)
                 Path(folder).mkdir(exist_ok=True)
@@ -122,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = run(engine, system, questions, args.batch)
             print(f"[kv-tiers] {name}: {json.dumps(results[name])}", flush=True)
             del engine
+    if len(results) < len(SETUPS):
+        return 0
     off, host_tier = results["tiers off"], results["host tier"]
     tier = host_tier["kv_tiers"]["host"]
     load_per_token = (tier["load_s"] + host_tier["kv_tiers"]["restore_s"]) / max(1, tier["hits"] * 16)

@@ -292,16 +292,19 @@ class AsyncLLMEngine:
         """Torch threads a step runs on: each rank's under tensor parallelism, else what was asked."""
         return getattr(self.engine.runner, "num_threads", self.num_threads)
 
-    def report(self, recent_prefix_hashes: int) -> EngineReport:
+    def report(self, recent_prefix_hashes: int, recent_tier_hashes: int) -> EngineReport:
         """Counters and facts for the router; the counters are read without stopping the step (a snapshot
-        that may be a step old). `recent_prefix_hashes`: how many of the latest cached blocks' hashes."""
+        that may be a step old). `recent_prefix_hashes`: how many of the latest cached blocks' hashes;
+        `recent_tier_hashes`: how many of the blocks the KV tiers hold (engine/kv_tiers/recent_hashes.py)."""
         engine = self.engine
+        tiers = engine.kv.tiers
         spec = engine.spec_decode_stats
         return EngineReport(
             stats=engine.stats(), device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
             block_size=engine.block_size, max_model_len=engine.max_model_len,
             spec_decode=asdict(spec) if spec else None,
             recent_prefix_hashes=engine.kv.pool.recent_hashes(recent_prefix_hashes),
+            recent_tier_hashes=tiers.recent_hashes(recent_tier_hashes) if tiers is not None else [],
             ranks=list(getattr(engine.runner, "reports", [])), startup=dict(engine.startup.seconds),
             lora_adapters=engine.adapters.loaded() if engine.adapters is not None else [])
 

@@ -3,13 +3,14 @@
 Blocks are allocated as tokens arrive (never a max-length reservation); `allocate_slots` returns
 False instead of raising when the pool is short, so the scheduler decides whom to preempt. With KV tiers
 (engine/kv_tiers/), full blocks are written through to them as they are registered, and a prefix that misses
-the pool goes on in the tiers: the blocks found there are copied into fresh pool blocks and registered, so they
-are cached blocks like any other from then on.
+the pool goes on in the tiers: the blocks found there are read into fresh pool blocks beside the steps
+(tier_io.py) while the request waits, then registered, so they are cached blocks like any other from then on.
 """
 
 from dataclasses import dataclass, field
 
 from kvloom.engine.block_pool import BlockPool, KVBlock, hash_block
+from kvloom.engine.kv_tiers.tier_io import TierIO
 from kvloom.engine.kv_tiers.tiers import KVTiers
 from kvloom.engine.request import Request
 
@@ -28,10 +29,12 @@ class KVCacheManager:
     tiers: KVTiers | None = None
     pool: BlockPool = field(init=False)
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    tier_io: TierIO | None = field(init=False)
     _held: dict[str, list[KVBlock]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pool = BlockPool(self.num_blocks)
+        self.tier_io = TierIO(self.tiers) if self.tiers is not None else None
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -45,49 +48,79 @@ class KVCacheManager:
         if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         hits: list[KVBlock] = []
-        missed: list[tuple[int, tuple[int, ...]]] = []  # (hash, tokens) of the blocks after the pool's run
         parent = request.hash_root
+        for block_hash, chunk in self._prompt_blocks(request, parent):
+            block = self.pool.lookup(block_hash, chunk)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _prompt_blocks(self, request: Request, parent: int | None, start: int = 0):
+        """(hash, tokens) of the request's full blocks from block `start` on, but for the last token's block;
+        `parent` is block start - 1's hash."""
         tokens = request.token_ids
-        max_blocks = (len(tokens) - 1) // self.block_size
-        for i in range(max_blocks):
+        for i in range(start, (len(tokens) - 1) // self.block_size):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             parent = hash_block(parent, chunk)
-            block = self.pool.lookup(parent, chunk) if not missed else None
-            if block is not None:
-                hits.append(block)
-            elif self.tiers is None:
-                break
-            else:
-                missed.append((parent, chunk))
-        return hits + (self._restore(hits, missed) if missed else [])
+            yield parent, chunk
 
-    def _restore(self, hits: list[KVBlock], missed: list[tuple[int, tuple[int, ...]]]) -> list[KVBlock]:
-        """The leading run of `missed` that a tier holds, copied into fresh pool blocks and registered (cached, held
-        by no one: the caller adopts them with the hits). The hits stay pinned meanwhile, and the pool keeps a
-        block for the prompt's last token."""
-        limit = self.pool.num_free - sum(b.ref_cnt == 0 for b in hits) - 1
-        payloads = self.tiers.fetch(missed, limit) if limit > 0 else []
-        if not payloads:
+    def tier_run(self, request: Request, hits: list[KVBlock]) -> list[tuple[int, tuple[int, ...]]] | None:
+        """The blocks (hash, tokens) after the pool's `hits` that a tier holds, in a leading run; None where the
+        first of them is being read for another request (this one looks again once that is taken in)."""
+        if self.tier_io is None or not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
-        for block in hits:
-            self.pool.touch(block)
-        restored = self.pool.allocate(len(payloads))
-        self.tiers.restore([b.block_id for b in restored], payloads)
-        for block, (block_hash, chunk) in zip(restored, missed):
-            self.pool.register(block, block_hash, chunk)
-        for block in hits + restored:
-            self.pool.release(block)
-        return restored
+        parent = hits[-1].block_hash if hits else request.hash_root
+        missed = list(self._prompt_blocks(request, parent, len(hits)))
+        if missed and missed[0][0] in self.tier_io.reading:
+            return None
+        return missed[: self.tiers.held_run(missed)]
+
+    def begin_tier_load(self, request: Request, run: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Read `run` (after the request's cached blocks) into the blocks `allocate_slots` gave it for them."""
+        first = request.num_computed_tokens // self.block_size
+        self.tier_io.load(request, self._held[request.request_id][first : first + len(run)], run)
+
+    def end_tier_loads(self) -> list[tuple[Request, int]]:
+        """Take in the loads the worker finished: (request, tokens loaded) for those whose requests still wait, the
+        loaded blocks registered (a block missing or bad ends a run: the rest is computed); a cancelled request's
+        blocks freed."""
+        if self.tier_io is None:
+            return []
+        finished = []
+        for load in self.tier_io.take_finished():
+            if load.cancelled:
+                for block in load.released:
+                    self.pool.release(block)
+                continue
+            loaded = load.loaded()
+            for block, (block_hash, chunk) in zip(load.blocks[:loaded], load.wanted):
+                self.pool.register(block, block_hash, chunk)
+                load.request.block_hashes.append(block_hash)
+            self.stats.hits -= (len(load.wanted) - loaded) * self.block_size  # counted as hits at admission
+            finished.append((load.request, loaded * self.block_size))
+        return finished
+
+    @property
+    def loading_tiers(self) -> bool:
+        """Loads in flight or not yet taken in (a cancelled one's too)."""
+        return self.tier_io is not None and bool(self.tier_io.loads)
+
+    def wait_for_tiers(self, timeout: float) -> None:
+        if self.tier_io is not None:
+            self.tier_io.wait(timeout)
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] = ()
+        self, request: Request, num_new_tokens: int, cached_prefix: list[KVBlock] = (), num_loading: int = 0
     ) -> bool:
         """Make room for `num_new_tokens` more tokens of `request`; False if the pool is short.
 
-        `cached_prefix` (only for a request holding no blocks yet) is adopted by reference.
+        `cached_prefix` (only for a request holding no blocks yet) is adopted by reference; `num_loading` blocks
+        after it are a tier run (`tier_run`) that `begin_tier_load` reads into the fresh blocks given for them.
         """
         held = self._held.setdefault(request.request_id, [])
-        total = request.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        total = (request.num_computed_tokens + (len(cached_prefix) + num_loading) * self.block_size
+                 + num_new_tokens)
         revived = sum(1 for b in cached_prefix if b.ref_cnt == 0)
         fresh = self.blocks_needed(total) - len(held) - len(cached_prefix)
         if fresh + revived > self.pool.num_free:
@@ -95,7 +128,7 @@ class KVCacheManager:
                 del self._held[request.request_id]
             return False
         if not held:
-            self._count_lookup(request, len(cached_prefix) * self.block_size)
+            self._count_lookup(request, (len(cached_prefix) + num_loading) * self.block_size)
         for block in cached_prefix:
             self.pool.touch(block)
         held.extend(cached_prefix)
@@ -149,8 +182,8 @@ class KVCacheManager:
             request.block_hashes.append(block_hash)
             self.pool.register(held[i], block_hash, chunk)
             new.append((held[i].block_id, block_hash, chunk))
-        if self.tiers is not None and new:
-            self.tiers.offer(new)
+        if self.tier_io is not None and new:
+            self.tier_io.write(new)
 
     def free_tail(self, request: Request, num_tokens: int) -> None:
         """Return the blocks past those `num_tokens` tokens need (slots of rejected drafts)."""
@@ -162,8 +195,12 @@ class KVCacheManager:
         request.block_ids = request.block_ids[:keep]
 
     def free(self, request: Request) -> None:
-        """Return every block the request holds; tail blocks go first so they are evicted first."""
-        for block in reversed(self._held.pop(request.request_id, [])):
+        """Return every block the request holds (a tier load of its own, once the worker is done with it); tail
+        blocks go first so they are evicted first."""
+        held = self._held.pop(request.request_id, [])
+        if self.tier_io is not None and self.tier_io.cancel(request.request_id, held):
+            held = []  # the load frees them when the worker is done
+        for block in reversed(held):
             self.pool.release(block)
         request.block_ids = []
         request.block_hashes = []

@@ -45,6 +45,8 @@ from kvloom.engine.tensor_parallel.tp_shards import plan_shards
 from kvloom.kernels.backends import select_backend
 from kvloom.kernels.cpu_lora import runs_on_cpu_op
 
+TIER_LOAD_WAIT_S = 0.01  # a step with only tier loads in flight waits this long at most for one (then commands run)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, tensor_parallel_launch: dict | None = None,
@@ -128,7 +130,7 @@ class LLMEngine:
         key_cache = self.runner.kv_caches[0][0]
         shape = (len(self.runner.kv_caches), 2, self.block_size, *key_cache.shape[2:])
         return KVTiers.build(self.config.tiers, kv_identity(model_dir, self.kv_dtype, shape), self.runner.export_blocks,
-                             self.runner.import_blocks, shape, self.kv_dtype)
+                             self.runner.import_blocks, shape, self.kv_dtype, self.device)
 
     def _runner(self, num_blocks: int, model: LoadedModel | None = None) -> ModelRunner:
         """The target's runner, or `model`'s (a draft's, whose first pass the CUDA budget profiles)."""
@@ -225,6 +227,7 @@ class LLMEngine:
             self.speculator.propose(self.scheduler.running)
         out = self.scheduler.schedule()
         if out.empty:
+            self.kv.wait_for_tiers(TIER_LOAD_WAIT_S)  # with nothing else to run, until a load ends
             return []
         self.runner.copy_blocks(out.block_copies)
         if self.speculator is not None:

@@ -16,6 +16,7 @@ from kvloom.engine.structured_output import OutputGrammar
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    LOADING = "loading"  # admitted, waiting for its prefix's blocks from a KV tier (engine/kv_tiers/tier_io.py)
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"

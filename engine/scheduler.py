@@ -5,7 +5,9 @@ per-step token budget. Decodes are scheduled first, then unfinished prefills (ch
 `enable_chunked_prefill`), then waiting requests while slots and blocks last. When the pool runs
 dry a victim (lowest priority, then latest arrival) is preempted by recompute: its blocks are
 freed and it re-enters the waiting queue with its generated tokens kept. A choice of an n > 1 request
-is admitted by forking its running sibling's prompt KV (`_fork_source`, `KVCacheManager.fork`).
+is admitted by forking its running sibling's prompt KV (`_fork_source`, `KVCacheManager.fork`). A request whose
+prefix a KV tier holds past the pool's hit is admitted with blocks for all of it and waits, LOADING, out of the
+batch while the tier's blocks are read into them (engine/kv_tiers/tier_io.py); it runs from the step after.
 """
 
 from dataclasses import dataclass, field
@@ -60,6 +62,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: RequestQueue = make_queue(limits.policy)
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, holding blocks, waiting for their prefix from a KV tier
         self.num_preemptions = 0
         self.batching = make_batching(limits.batching, limits.max_num_seqs, limits.bucket_width, limits.max_wait_s)
         self.counters = SchedulerCounters()
@@ -76,6 +79,8 @@ class Scheduler:
         """Take a request out of the scheduler for good; its blocks are freed unless parked."""
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.LOADING:
+            self.loading.remove(request)
         elif not request.status.finished:
             self.waiting.remove(request)
         if free_blocks:
@@ -85,7 +90,8 @@ class Scheduler:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        """Requests to run, or tier loads to take in (a cancelled one's blocks are freed when it ends)."""
+        return bool(self.running) or bool(self.loading) or len(self.waiting) > 0 or self.kv.loading_tiers
 
     # ---- scheduling -------------------------------------------------------------------------
     def _victim_key(self, request: Request) -> tuple[int, float]:
@@ -137,6 +143,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._take_loaded()
         if self.limits.policy == "priority":
             self._make_room_for_priority(out)  # evicts to admit: admission below still runs
         evicted_for_priority = len(out.preempted)
@@ -209,7 +216,8 @@ class Scheduler:
         """
         adapters = self.adapters.start(self.running)
         for request in self.batching.admissible(self.waiting):
-            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs or request in out.preempted:
+            seats_taken = len(self.running) + len(self.loading)
+            if budget <= 0 or seats_taken >= self.limits.max_num_seqs or request in out.preempted:
                 break
             adapter = request.lora.name if request.lora is not None else None
             if not adapters.admits(adapter):
@@ -223,14 +231,20 @@ class Scheduler:
                 out.block_copies += copies
             else:
                 cached = self.kv.find_cached_prefix(request)
+                run = self.kv.tier_run(request, cached)
+                if run is None:
+                    continue  # its prefix is being read for another request; those behind it need not wait
                 num_cached = len(cached) * self.kv.block_size
-                num_new = self._chunk(request.num_tokens - num_cached, budget)
+                num_new = self._chunk(request.num_tokens - num_cached - len(run) * self.kv.block_size, budget)
                 if self.prefill_yield.yields(request):
                     num_new = self.prefill_yield.room(num_new)
                     if num_new == 0:
                         continue  # it waits for a step with room for yielding prompts; those behind it need not
-                if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached, len(run)):
                     break
+                if run:
+                    self._load(request, num_cached, run)
+                    continue
                 self.prefill_yield.spend(request, num_new)
             self.waiting.remove(request)
             request.num_computed_tokens = num_cached
@@ -242,6 +256,24 @@ class Scheduler:
             planned[request.request_id] = num_new
             budget -= num_new
         return budget
+
+    def _load(self, request: Request, num_cached: int, run: list[tuple[int, tuple[int, ...]]]) -> None:
+        """Set an admitted request aside while a tier's `run` of its prefix is read into its blocks."""
+        self.waiting.remove(request)
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.LOADING
+        self.loading.append(request)
+        self.kv.begin_tier_load(request, run)
+
+    def _take_loaded(self) -> None:
+        """Requests whose tier loads ended run from this step, from what was loaded."""
+        for request, num_loaded in self.kv.end_tier_loads():
+            self.loading.remove(request)
+            request.num_computed_tokens += num_loaded
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = request.num_computed_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _fork_source(self, request: Request) -> Request | None:
         """n > 1: the running sibling whose KV holds this request's whole prompt but its last token, if any. The

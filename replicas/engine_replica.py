@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 PREFIX_SUMMARY_SIZE = 4096  # most recent cached-block hashes published for prefix affinity
+TIER_SUMMARY_SIZE = 4096  # likewise of the blocks the node's KV tiers hold (cheaper hits for the router)
 # how often an output channel checks that the router reading it still lives: Ray does not end a stream whose caller
 # was killed, and an open one runs its requests for nobody and holds this replica's stop for Serve's graceful period
 CALLER_CHECK_S = 1.0
@@ -150,7 +151,7 @@ class EngineReplica:
                 "kv_usage": s.kv_cache_usage, "ttft_p90_s": view.ttft_p90_s}
 
     def stats(self) -> ReplicaStats:
-        report = self.engine.report(PREFIX_SUMMARY_SIZE)
+        report = self.engine.report(PREFIX_SUMMARY_SIZE, TIER_SUMMARY_SIZE)
         s = report.stats
         return ReplicaStats(
             replica_id=self.replica_id, role=self.role, node_id=self.node_id, device=report.device,
@@ -163,6 +164,7 @@ class EngineReplica:
             num_preemptions=s.num_preemptions, engine_steps=s.num_steps, engine_step_requests=s.batch_slots,
             engine_step_seconds=s.step_seconds,
             spec_decode=report.spec_decode, kv_tiers=s.kv_tiers, cached_prefix_hashes=report.recent_prefix_hashes,
+            tier_prefix_hashes=report.recent_tier_hashes,
             startup={"process start": self.process_start_s, **report.startup}, lora_adapters=report.lora_adapters,
             healthy=self.engine.dead_error is None, time=time.time(),
         )

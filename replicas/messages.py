@@ -145,6 +145,9 @@ class ReplicaStats:
     spec_decode: dict | None = None  # SpecDecodeStats as a dict, where the engine speculates
     kv_tiers: dict | None = None  # per KV tier (engine/kv_tiers/): hits, misses, blocks written, bytes, seconds
     cached_prefix_hashes: list[int] = field(default_factory=list)  # the most recent, for prefix affinity
+    # the most recent of the blocks its node's KV tiers hold, as it wrote or read them: cheaper hits for the router,
+    # which pools them over the replicas of one node (`node_id`)
+    tier_prefix_hashes: list[int] = field(default_factory=list)
     kv_store: str | None = None  # a decode replica's KV transfer rendezvous (host:port)
     handoffs: dict[str, float] | None = None  # a decode replica's hand-offs: received (bytes, seconds), computed here
     startup: dict[str, float] = field(default_factory=dict)  # how long each part of its start took (seconds)

@@ -13,14 +13,18 @@ preemption, and both capped at PREEMPTION_HEADROOM x credit in flight:
   does not wait for a flooder's request to finish. Such a request is "boosted" (with credit or
   without): the engine runs it before the others of its class.
 
-A request goes to the replica holding the longest cached prefix of its prompt, unless that
-replica is busier than the least loaded one by more than `imbalance_threshold`; otherwise to the
-least loaded. A LoRA adapter's request looks among the replicas holding the adapter first, and goes
-to another (which loads it) only when none of those has credit left.
+A request goes to the replica that reaches the longest prefix of its prompt among those busier than
+the least loaded one by at most `imbalance_threshold`; to the least loaded where none reaches any. A
+replica reaches a block in its KV pool, or (with KV tiers, engine/kv_tiers/) in its node's tiers,
+which every replica of the node shares and reports: such a block counts TIER_HIT_WEIGHT of a pool
+block, so the pool's holder wins while it is not too busy, and when it is, a replica that loads the
+prefix from the node's tier wins over one that would compute it. A LoRA adapter's request looks among
+the replicas holding the adapter first, and goes to another (which loads it) only when none of those
+has credit left.
 """
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from kvloom.replicas.messages import ReplicaStats
@@ -31,6 +35,8 @@ SENT_MEMORY_S = 10.0  # how long an adapter or a prompt's blocks sent to a repli
 # report saying so
 ACTIVE_TENANT_S = 10.0  # a tenant in flight on a replica this recently shares its slots (a steady client between
 # two of its requests is still there)
+TIER_HIT_WEIGHT = 0.5  # a prefix block in the node's KV tiers against one in the pool: copied in, not computed, but
+# the copy is not free and the tier may have lost the block since its report
 
 
 @dataclass
@@ -49,6 +55,12 @@ class ReplicaState:
     adapters_sent: dict[str, float] = field(default_factory=dict)  # adapters sent there and not reported yet: when
     prefixes_sent: dict[int, float] = field(default_factory=dict)  # block hashes likewise (a report built before a
     # prompt's blocks were cached would otherwise wipe them, and its group's next prompt would go elsewhere)
+    tiered: set[int] = field(default_factory=set)  # blocks its node's KV tiers hold, as it reported (and was sent)
+
+    @property
+    def has_tiers(self) -> bool:
+        """It runs KV tiers: it reads its node's, and writes the blocks it computes there."""
+        return self.stats.kv_tiers is not None
 
     def capacity(self, slack: int) -> int:
         return self.stats.max_num_seqs + slack
@@ -96,6 +108,19 @@ class ReplicaState:
             matched += 1
         return matched
 
+    def affinity(self, prompt_hashes: list[int], node_tiers: list[set[int]]) -> float:
+        """The prompt's leading blocks this replica reaches: those in its pool, then TIER_HIT_WEIGHT for each
+        further one that some replica of its node reported in the node's tiers (`node_tiers`), as the engine
+        looks them up (engine/kv_cache_manager.py)."""
+        pooled = self.prefix_match(prompt_hashes)
+        tiered = 0
+        if self.has_tiers:
+            for block_hash in prompt_hashes[pooled:]:
+                if not any(block_hash in tier for tier in node_tiers):
+                    break
+                tiered += 1
+        return pooled + TIER_HIT_WEIGHT * tiered
+
 
 class ReplicaTable:
     def __init__(self, slack: int = 4, imbalance_threshold: int = 8, stale_after_s: float = 5.0) -> None:
@@ -119,6 +144,9 @@ class ReplicaTable:
         state.prefixes_sent = {h: t for h, t in state.prefixes_sent.items()
                                if now - t < SENT_MEMORY_S and h not in state.cached}
         state.cached.update(state.prefixes_sent)
+        state.tiered = set(stats.tier_prefix_hashes)
+        if state.has_tiers:  # what it was sent is written through to its tier as it is computed
+            state.tiered.update(state.prefixes_sent)
         state.adapters = set(stats.lora_adapters)
         state.adapters_sent = {a: t for a, t in state.adapters_sent.items() if a not in state.adapters}
         if not stats.healthy:
@@ -153,10 +181,20 @@ class ReplicaTable:
         if adapter is not None:
             open_replicas = [r for r in open_replicas if r.holds_adapter(adapter)] or open_replicas
         least = min(open_replicas, key=lambda r: (r.load, r.dispatched))
-        best = max(open_replicas, key=lambda r: (r.prefix_match(prompt_hashes), -r.load))
-        if best.prefix_match(prompt_hashes) > 0 and best.load - least.load <= self.imbalance_threshold:
-            return best
-        return least
+        near = [r for r in open_replicas if r.load - least.load <= self.imbalance_threshold]
+        tiers = self.node_tiers()
+        reach = {r.replica_id: r.affinity(prompt_hashes, tiers[r.stats.node_id]) for r in near}
+        best = max(near, key=lambda r: (reach[r.replica_id], -r.load))
+        return best if reach[best.replica_id] > 0 else least
+
+    def node_tiers(self) -> dict[str, list[set[int]]]:
+        """Node -> what its live replicas report its KV tiers hold (they share them: one set each, not merged, as
+        this runs for every request)."""
+        tiers = defaultdict(list)
+        for replica in self.replicas.values():
+            if replica.tiered:
+                tiers[replica.stats.node_id].append(replica.tiered)
+        return tiers
 
     def max_model_len(self) -> int:
         return max((r.stats.max_model_len for r in self.live()), default=0)
@@ -182,6 +220,8 @@ class ReplicaTable:
         replica.recent[tenant] = (weight, time.monotonic())
         replica.cached.update(prompt_hashes)  # it will hold this prefix long before its next report
         replica.prefixes_sent.update(dict.fromkeys(prompt_hashes, time.monotonic()))
+        if replica.has_tiers:
+            replica.tiered.update(prompt_hashes)  # and its node's tiers, as it computes them
         if adapter is not None:
             replica.adapters_sent[adapter] = time.monotonic()  # and this adapter
 

@@ -222,7 +222,8 @@ class Router:
 
     async def replica_stats(self) -> list[dict]:
         """Every live replica's latest stats, with what this router sent it (`kvloom status`, tests)."""
-        return [dict(asdict(r.stats), inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached))
+        return [dict(asdict(r.stats), inflight=r.inflight, dispatched=r.dispatched, cached_prefix_hashes=len(r.cached),
+                     tier_prefix_hashes=len(r.stats.tier_prefix_hashes))
                 for table in (self.table, self.decode_table) for r in table.live()]
 
     async def held_state(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.kv_tiers.block_store import SUFFIX
 from kvloom.engine.llm_engine import LLMEngine
@@ -47,6 +48,8 @@ def run(engine: LLMEngine, batch: list[list[int]], namespace: int | None = None)
             for out in engine.step():
                 if out.finished:
                     outputs[out.request_id] = out.outputs[0].token_ids
+    if engine.kv.tier_io is not None:
+        engine.kv.tier_io.drain()  # its blocks written, for the engines that read them next
     return [outputs[f"r{i}-{id(batch)}"] for i in range(len(batch))]
 
 
@@ -141,3 +144,58 @@ def test_tiers_need_the_prefix_cache_and_one_rank(tiny_model_dir):
         LLMEngine(model=str(tiny_model_dir), enable_prefix_caching=False, kv_offloading_size=0.1)
     with pytest.raises((ConfigError, ValueError), match="tensor_parallel_size"):
         LLMEngine(model=str(tiny_model_dir), tensor_parallel_size=2, kv_offloading_size=0.1)
+
+
+class HeldWorker:
+    """Holds the tier worker (a job that waits on an event) so a load begun after it is still reading."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        engine.kv.tier_io.worker.submit(self.gate.wait)
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+def warm_engine(model_dir, tmp_path, work: list[list[int]]) -> LLMEngine:
+    """An engine started after another computed `work` on the node: their prefixes are in the host tier only."""
+    run(engine(model_dir, tmp_path, host=64 << 20), work)
+    return engine(model_dir, tmp_path, host=64 << 20)
+
+
+def test_a_request_waiting_for_its_blocks_does_not_stall_the_batch(tiny_model_dir, tmp_path):
+    work = prompts(1, seed=6)
+    expected = run(engine(tiny_model_dir, tmp_path / "off"), work)
+    joined = warm_engine(tiny_model_dir, tmp_path, work)
+    joined.add_request("running", prompts(1, shared=20, seed=9)[0], SamplingParams(max_tokens=40, temperature=0))
+    joined.step()
+    held = HeldWorker(joined)
+    joined.add_request("loading", work[0], GREEDY)
+    decoded = [out for _ in range(5) for out in joined.step()]
+    assert [out.request_id for out in decoded] == ["running"] * 5  # the batch went on while the load waited
+    assert joined.stats().kv_tiers["loads_in_flight"] == 1
+    held.release()
+    finished = {}
+    while joined.has_unfinished():
+        finished |= {out.request_id: out.outputs[0].token_ids for out in joined.step() if out.finished}
+    assert finished["loading"] == expected[0]
+    assert tier(joined, "host")["hits"] >= 96 // BLOCK
+
+
+def test_a_request_cancelled_while_its_blocks_load_frees_everything(tiny_model_dir, tmp_path):
+    work = prompts(1, seed=7)
+    joined = warm_engine(tiny_model_dir, tmp_path, work)
+    held = HeldWorker(joined)
+    joined.add_request("cancelled", work[0], GREEDY)
+    assert joined.step() == [] and joined.stats().kv_tiers["pinned_blocks"] >= 96 // BLOCK
+    joined.abort("cancelled")
+    held.release()
+    while joined.has_unfinished():  # until the worker is done with the blocks and the engine takes them back
+        joined.step()
+    stats = joined.stats()
+    assert stats.kv_tiers["pinned_blocks"] == 0 and stats.kv_tiers["loads_in_flight"] == 0
+    assert stats.num_free_blocks == stats.num_blocks and joined.kv.num_requests_holding == 0
+    assert all(block.ref_cnt == 0 for block in joined.kv.pool.blocks)
+    assert not set(prompt_block_hashes(work[0], BLOCK)) & set(joined.kv.pool.cached)  # a cancelled load registers nothing

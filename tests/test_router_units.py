@@ -58,6 +58,76 @@ def test_imbalance_overrides_affinity():
     assert table.choose(prompt).replica_id == "a"
 
 
+def tiered(replica_id: str, node: str, cached=(), tier=(), max_num_seqs: int = 10) -> ReplicaStats:
+    """A replica running KV tiers on `node`; `tier`: what it reports its node's tiers hold."""
+    return ReplicaStats(replica_id, node_id=node, max_num_seqs=max_num_seqs, cached_prefix_hashes=list(cached),
+                        tier_prefix_hashes=list(tier), kv_tiers={})
+
+
+def test_a_busy_holder_sends_its_prompt_to_a_replica_loading_it_from_their_nodes_tier_not_to_one_computing_it():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0, imbalance_threshold=1)
+    table.report(tiered("holder", "n1", cached=prompt, tier=prompt))
+    table.report(tiered("far", "n2"))  # first in line among the idle ones
+    table.report(tiered("neighbour", "n1"))
+    table.replicas["holder"].inflight = 2
+    assert table.choose(prompt).replica_id == "neighbour"
+
+
+def test_the_pools_holder_wins_over_its_nodes_tier_while_it_is_not_too_busy():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0, imbalance_threshold=1)
+    table.report(tiered("neighbour", "n1"))
+    table.report(tiered("holder", "n1", cached=prompt, tier=prompt))
+    table.replicas["holder"].inflight = 1
+    assert table.choose(prompt).replica_id == "holder"
+
+
+@pytest.mark.parametrize("tier_blocks, chosen", [(6, "tier"), (4, "pool")])
+def test_a_block_in_the_nodes_tier_after_the_pools_run_counts_half_a_pool_block(tier_blocks, chosen):
+    """pool: 3 blocks in its pool; tier: 1 in its pool, then tier_blocks - 1 more in its node's tier (3.5 or 2.5)."""
+    prompt = prompt_block_hashes(list(range(128)), 16)
+    table = ReplicaTable(slack=0)
+    table.report(tiered("pool", "n1", cached=prompt[:3]))
+    table.report(tiered("tier", "n2", cached=prompt[:1], tier=prompt[:tier_blocks]))
+    assert table.choose(prompt).replica_id == chosen
+
+
+def test_a_nodes_tier_reaches_nothing_for_a_replica_without_tiers_nor_for_another_nodes_replica():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0)
+    table.report(tiered("writer", "n1", tier=prompt, max_num_seqs=1))
+    table.report(ReplicaStats("plain", node_id="n1", max_num_seqs=10))  # no KV tiers
+    table.report(tiered("far", "n2"))
+    table.report(ReplicaStats("idle", node_id="n3", max_num_seqs=10))
+    for busy in ("writer", "plain", "far"):  # the writer has no credit left then; the others reach nothing
+        table.take(table.replicas[busy], [])
+    assert table.choose(prompt).replica_id == "idle"
+
+
+def test_a_prompt_sent_to_a_replica_with_tiers_is_in_its_nodes_tier_before_a_report_shows_it():
+    """It writes the blocks through as it computes them; a report built before that does not wipe them."""
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0, imbalance_threshold=0)
+    for replica_id, node in (("holder", "n1"), ("far", "n2"), ("neighbour", "n1")):
+        table.report(tiered(replica_id, node))
+    table.take(table.replicas["holder"], prompt)
+    assert table.choose(prompt).replica_id == "neighbour"
+    table.report(tiered("holder", "n1"))  # built before the prompt ran
+    assert table.choose(prompt).replica_id == "neighbour"
+
+
+def test_when_the_longest_holder_is_too_busy_a_shorter_one_within_the_threshold_wins_over_the_least_loaded():
+    prompt = prompt_block_hashes(list(range(64)), 16)
+    table = ReplicaTable(slack=0, imbalance_threshold=1)
+    table.report(stats("idle", max_num_seqs=10))
+    table.report(stats("longest", max_num_seqs=10, cached=prompt))
+    table.report(stats("shorter", max_num_seqs=10, cached=prompt[:2]))
+    table.replicas["longest"].inflight = 2
+    table.replicas["shorter"].inflight = 1
+    assert table.choose(prompt).replica_id == "shorter"
+
+
 def test_least_loaded_without_affinity_and_no_credit_means_none():
     table = ReplicaTable(slack=0)
     table.report(stats("a", max_num_seqs=1))

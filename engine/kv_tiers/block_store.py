@@ -5,7 +5,9 @@ covers the tenant's cache namespace and the adapter, engine/cache_namespace.py),
 wrote it (model, weights, dtype, layout), the block's tokens and a CRC-32 of both (a fifth of a BLAKE2 digest's
 cost on a block's hundreds of KB: loading is what the tier is for). A read checks all of them: a
 missing, truncated, corrupt or mismatched file is a miss (and removed), never KV. Writes go to a temporary file
-renamed into place, so readers in other processes see a whole file or none.
+renamed into place, so readers in other processes see a whole file or none. The header is 64 bytes, so a block's
+K and V start 64-byte aligned after its tokens (block sizes are multiples of 8): a reader reads a file straight into
+its staging buffer and copies the KV from there (tier_io.py).
 
 The directory is the index: `get` is an open, `put` a rename. A byte budget bounds it: past the budget the least
 recently used files (by modification time, which a hit refreshes) go, moved to the tier below where there is one
@@ -18,13 +20,16 @@ import os
 import struct
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from kvloom.engine.kv_tiers.recent_hashes import RecentHashes
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVLOOM01"
-HEADER = struct.Struct("<8s16s16sIII")  # magic, identity, block hash, tokens, payload bytes, CRC-32 of the rest
+MAGIC = b"KVLOOM02"
+# magic, identity, block hash, tokens, payload bytes, CRC-32 of the tokens and payload; padded to 64 bytes
+HEADER = struct.Struct("<8s16s16sIII12x")
 SUFFIX = ".kvb"
 FULL_BACKOFF_S = 30.0  # after a write fails for want of room, this long before the next try
 CHECK_EVERY_BYTES_FRACTION = 16  # the directory is measured again after writes of budget / 16 bytes
@@ -39,6 +44,7 @@ class BlockStore:
     _written_since_check: int = 0
     _measured_bytes: int = 0  # the directory's size when it was last measured
     _refused_until: float = 0.0
+    seen: RecentHashes = field(default_factory=RecentHashes)  # blocks this process lately wrote, read or found here
 
     def __post_init__(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
@@ -48,9 +54,12 @@ class BlockStore:
         return self.path / f"{block_hash:032x}{SUFFIX}"
 
     def contains(self, block_hash: int) -> bool:
-        return self.file(block_hash).exists()
+        held = self.file(block_hash).exists()
+        if held:
+            self.seen.saw(block_hash)
+        return held
 
-    def put(self, block_hash: int, tokens: tuple[int, ...], payload: bytes) -> bool:
+    def put(self, block_hash: int, tokens: tuple[int, ...], payload: memoryview) -> bool:
         """Store a block (a block already there is kept); False where it could not be written."""
         target = self.file(block_hash)
         if target.exists() or time.monotonic() < self._refused_until or len(payload) > self.budget_bytes:
@@ -59,53 +68,58 @@ class BlockStore:
         checksum = zlib.crc32(payload, zlib.crc32(token_bytes))
         header = HEADER.pack(MAGIC, self.identity, block_hash.to_bytes(16, "little"), len(tokens), len(payload),
                              checksum)
-        return self._write(target, header + token_bytes + payload)
+        written = self._write(target, (header + token_bytes, payload))
+        if written:
+            self.seen.saw(block_hash)
+        return written
 
-    def get(self, block_hash: int, tokens: tuple[int, ...]) -> memoryview | None:
-        """The block's payload if this tier holds it whole and for these tokens, else None (a bad file goes)."""
+    def read_into(self, block_hash: int, tokens: tuple[int, ...], out: memoryview) -> bool:
+        """Read the block's file into `out` (exactly a file's size: `file_bytes`) if this tier holds it whole and
+        for these tokens; its payload is then `out[payload_offset(len(tokens)):]`. A bad file goes."""
         target = self.file(block_hash)
         try:
             with open(target, "rb") as file:
-                data = bytearray(os.fstat(file.fileno()).st_size)  # writable: torch takes the payload as it is
-                file.readinto(data)
+                if os.fstat(file.fileno()).st_size != len(out):
+                    usable = False
+                else:
+                    usable = file.readinto(out) == len(out) and self._verified(out, block_hash, tokens)
         except OSError:
-            return None
-        payload = self._verified(memoryview(data), block_hash, tokens)
-        if payload is None:
+            return False
+        if not usable:
             logger.warning("KV tier %s: %s is not a usable block; removed", self.path, target.name)
             target.unlink(missing_ok=True)
-            return None
+            self.seen.lost(block_hash)
+            return False
         try:
             os.utime(target)  # recently used: evicted last
         except OSError:
             pass
-        return payload
+        self.seen.saw(block_hash)
+        return True
 
-    def _verified(self, data: memoryview, block_hash: int, tokens: tuple[int, ...]) -> memoryview | None:
-        if len(data) < HEADER.size:
-            return None
+    def _verified(self, data: memoryview, block_hash: int, tokens: tuple[int, ...]) -> bool:
         magic, identity, stored_hash, num_tokens, payload_bytes, checksum = HEADER.unpack_from(data)
         body = data[HEADER.size:]
         if (magic != MAGIC or identity != self.identity or stored_hash != block_hash.to_bytes(16, "little")
                 or num_tokens != len(tokens) or len(body) != 8 * num_tokens + payload_bytes):
-            return None
+            return False
         if zlib.crc32(body) != checksum:  # corruption, not forgery: only the node's replicas write here
-            return None
-        if struct.unpack_from(f"<{num_tokens}q", body) != tuple(tokens):
-            return None
-        return body[8 * num_tokens:]
+            return False
+        return struct.unpack_from(f"<{num_tokens}q", body) == tuple(tokens)
 
-    def _write(self, target: Path, data: bytes) -> bool:
+    def _write(self, target: Path, parts: tuple[bytes | memoryview, ...]) -> bool:
         temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
         try:
-            temporary.write_bytes(data)
+            with open(temporary, "wb") as file:
+                for part in parts:
+                    file.write(part)
             os.replace(temporary, target)
         except OSError as exc:
             temporary.unlink(missing_ok=True)
             self._refused_until = time.monotonic() + FULL_BACKOFF_S
             logger.warning("KV tier %s takes no more blocks for %.0f s: %s", self.path, FULL_BACKOFF_S, exc)
             return False
-        self._written_since_check += len(data)
+        self._written_since_check += sum(len(part) for part in parts)
         if self._written_since_check * CHECK_EVERY_BYTES_FRACTION >= self.budget_bytes:
             self.trim()
         return True
@@ -143,13 +157,23 @@ class BlockStore:
             if data is not None:
                 self.below.take(file.name, data)
         file.unlink(missing_ok=True)
+        self.seen.lost(int(file.stem, 16))
 
     def take(self, name: str, data: bytes) -> None:
         """Keep a block file another tier wrote (the same identity's, checked when it is read)."""
-        if not (self.path / name).exists():
-            self._write(self.path / name, data)
+        if not (self.path / name).exists() and self._write(self.path / name, (data,)):
+            self.seen.saw(int(Path(name).stem, 16))
 
     def used_bytes(self) -> int:
         """What the tier holds as this process last measured it, plus what it wrote since (no directory scan:
         engine stats read this every report)."""
         return self._measured_bytes + self._written_since_check
+
+
+def payload_offset(num_tokens: int) -> int:
+    """Where a block file's payload starts: after the header and the block's tokens."""
+    return HEADER.size + 8 * num_tokens
+
+
+def file_bytes(num_tokens: int, payload_bytes: int) -> int:
+    return payload_offset(num_tokens) + payload_bytes

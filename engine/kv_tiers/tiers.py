@@ -2,14 +2,17 @@
 replica of the node, a replica that joins or restarts, or this one after evicting them, finds them there), and
 read back, host first, then disk, into fresh pool blocks when a prompt's prefix misses the pool.
 
-Loading runs in the scheduler's admission, before the step that uses the blocks (a copy of tens of KB a layer per
-block where computing them is a forward pass; the report has both figures). Counters per tier say what was found,
-written and how long loading took (`EngineStats.kv_tiers`).
+`KVTiers` is what the tiers hold and how a block goes in and out; its reads and writes run on tier_io.py's worker
+thread, beside the engine's steps. A load reads block files straight into a staging buffer (pinned on CUDA, reused
+from load to load: fresh buffers cost more in page faults than the read), checks them there and copies the KV into
+the pool in one pass per layer (on CUDA one host-to-device copy on the worker's own stream, waited for there).
+Counters per tier say what was found, written and how long loading took (`EngineStats.kv_tiers`).
 """
 
+import contextlib
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import torch
 
 from kvloom.engine.config import KVTiersConfig
 from kvloom.engine.errors import ConfigError
-from kvloom.engine.kv_tiers.block_store import BlockStore
+from kvloom.engine.kv_tiers.block_store import BlockStore, file_bytes, payload_offset
 
 
 @dataclass
@@ -25,6 +28,7 @@ class TierStats:
     hits: int = 0  # blocks found
     misses: int = 0  # blocks looked up and not found (the first miss of a prefix ends its lookup)
     blocks_written: int = 0
+    writes_dropped: int = 0  # blocks not offered to the tier: its writes were too far behind (tier_io.py)
     bytes_read: int = 0
     load_s: float = 0.0
 
@@ -51,64 +55,114 @@ class KVTiers:
     import_blocks: Callable[[list[int], torch.Tensor], None]
     block_shape: tuple[int, ...]  # one block's [layers, 2, block_size, kv_heads, head_dim]
     kv_dtype: torch.dtype
+    device: torch.device
     stats: dict[str, TierStats] = field(default_factory=dict)
-    restore_s: float = 0.0  # writing fetched blocks into the pool
+    restore_s: float = 0.0  # copying loaded blocks into the pool
+    _staging: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.uint8))
 
     def __post_init__(self) -> None:
         self.stats = {name: TierStats() for name in self.stores}
 
     @staticmethod
     def build(config: KVTiersConfig, identity: bytes, export_blocks, import_blocks, block_shape: tuple[int, ...],
-              kv_dtype: torch.dtype) -> "KVTiers | None":
+              kv_dtype: torch.dtype, device: torch.device) -> "KVTiers | None":
         disk = (opened(Path(config.disk.path), config.disk.bytes, identity, None, "kv_tiers.disk.path")
                 if config.disk is not None and config.disk.bytes else None)
         host = (opened(Path(config.host_path), config.host_bytes, identity, disk, "kv_tiers.host_path")
                 if config.host_bytes else None)
         stores = {name: store for name, store in (("host", host), ("disk", disk)) if store is not None}
-        return KVTiers(stores, export_blocks, import_blocks, block_shape, kv_dtype) if stores else None
+        return KVTiers(stores, export_blocks, import_blocks, block_shape, kv_dtype, device) if stores else None
 
     @property
     def first(self) -> BlockStore:
         return next(iter(self.stores.values()))
 
-    def offer(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> None:
-        """Write newly computed full blocks (block id, hash, tokens) to the first tier, those it lacks."""
-        blocks = [b for b in blocks if not self.first.contains(b[1])]
-        if not blocks:
-            return
-        payload = self.export_blocks([block_id for block_id, _, _ in blocks]).cpu()
+    @property
+    def block_size(self) -> int:
+        return self.block_shape[2]
+
+    @property
+    def payload_bytes(self) -> int:
+        return torch.Size(self.block_shape).numel() * self.kv_dtype.itemsize
+
+    def held_run(self, wanted: list[tuple[int, tuple[int, ...]]]) -> int:
+        """How many leading blocks of `wanted` (hash, tokens) some tier has a file for (checked when read)."""
+        count = 0
+        for block_hash, _ in wanted:
+            if not any(store.contains(block_hash) for store in self.stores.values()):
+                break
+            count += 1
+        return count
+
+    def new_blocks(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Of newly computed full blocks (block id, hash, tokens), those the first tier lacks."""
+        return [b for b in blocks if not self.first.contains(b[1])]
+
+    def write(self, blocks: list[tuple[int, tuple[int, ...]]], payload: torch.Tensor) -> None:
+        """Write blocks (hash, tokens) whose KV `payload` holds ([layers, 2, blocks, ...] on the host) to the first
+        tier. On the worker thread."""
         name = next(iter(self.stores))
-        for i, (_, block_hash, tokens) in enumerate(blocks):
-            data = payload[:, :, i].contiguous().view(torch.uint8).numpy().tobytes()
+        for i, (block_hash, tokens) in enumerate(blocks):
+            data = memoryview(payload[:, :, i].contiguous().view(torch.uint8).numpy()).cast("B")
             self.stats[name].blocks_written += self.first.put(block_hash, tokens, data)
 
-    def fetch(self, wanted: list[tuple[int, tuple[int, ...]]], limit: int) -> list[memoryview]:
-        """The payloads of the leading run of `wanted` (hash, tokens) that some tier holds, at most `limit`."""
-        found: list[memoryview] = []
-        for block_hash, tokens in wanted[:limit]:
-            payload = None
-            for name, store in self.stores.items():
-                started = time.perf_counter()
-                payload = store.get(block_hash, tokens)
-                stats = self.stats[name]
-                if payload is None:
-                    stats.misses += 1
-                    continue
-                stats.hits, stats.bytes_read = stats.hits + 1, stats.bytes_read + len(payload)
-                stats.load_s += time.perf_counter() - started
+    def load(self, wanted: list[tuple[int, tuple[int, ...]]], block_ids: list[int]) -> int:
+        """Read the leading run of `wanted` that the tiers hold into the pool blocks `block_ids` (one each); returns
+        how many were loaded (a block missing or bad ends the run). On the worker thread."""
+        rows = self._staging_rows(len(wanted))
+        offset = payload_offset(self.block_size)
+        found = 0
+        for (block_hash, tokens), row in zip(wanted, rows):
+            if not self._read(block_hash, tokens, memoryview(row.numpy())):
                 break
-            if payload is None:
-                break
-            found.append(payload)
+            found += 1
+        if found:
+            started = time.perf_counter()
+            with self._copy_stream():
+                on_device = rows[:found].to(self.device, non_blocking=True)
+                kv = on_device[:, offset:].view(self.kv_dtype).view(found, *self.block_shape).movedim(0, 2)
+                self.import_blocks(block_ids[:found], kv)
+            self.restore_s += time.perf_counter() - started
         return found
 
-    def restore(self, block_ids: list[int], payloads: list[memoryview]) -> None:
-        """Write fetched payloads into these pool blocks."""
-        started = time.perf_counter()
-        blocks = [torch.frombuffer(p, dtype=torch.uint8).view(self.kv_dtype).view(self.block_shape) for p in payloads]
-        self.import_blocks(block_ids, torch.stack(blocks, dim=2))
-        self.restore_s += time.perf_counter() - started
+    def _read(self, block_hash: int, tokens: tuple[int, ...], out: memoryview) -> bool:
+        """One block's file into `out`, from the first tier that holds it whole; counted per tier."""
+        for name, store in self.stores.items():
+            started = time.perf_counter()
+            stats = self.stats[name]
+            if store.read_into(block_hash, tokens, out):
+                stats.hits, stats.bytes_read = stats.hits + 1, stats.bytes_read + len(out)
+                stats.load_s += time.perf_counter() - started
+                return True
+            stats.misses += 1
+        return False
+
+    def _staging_rows(self, count: int) -> torch.Tensor:
+        """`count` rows of a block file's size, from a buffer kept from load to load (grown when short)."""
+        size = file_bytes(self.block_size, self.payload_bytes)
+        if len(self._staging) < count:
+            self._staging = torch.empty(max(count, 2 * len(self._staging)), size, dtype=torch.uint8,
+                                        pin_memory=self.device.type == "cuda")
+        return self._staging[:count]
+
+    @contextlib.contextmanager
+    def _copy_stream(self) -> Iterator[None]:
+        """Copies to the pool: on CUDA on a stream of the worker's own, finished before the load is reported done
+        (the step's stream then reads them); elsewhere as they are."""
+        if self.device.type != "cuda":
+            yield
+            return
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
     def as_dict(self) -> dict:
         return {"restore_s": self.restore_s, **{name: vars(stats) | {"used_bytes": self.stores[name].used_bytes()}
                                                 for name, stats in self.stats.items()}}
+
+    def recent_hashes(self, limit: int) -> list[int]:
+        """At most `limit` hashes of blocks the node's tiers hold, as this process lately saw them: what its replica
+        reports for the router's prefix affinity. The host's come last, so a cut drops the disk's oldest first."""
+        seen = dict.fromkeys(h for store in reversed(self.stores.values()) for h in store.seen.latest(limit))
+        return list(seen)[-limit:]

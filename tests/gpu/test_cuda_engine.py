@@ -175,3 +175,19 @@ def test_speculative_decoding_on_cuda_draws_what_the_cpu_engine_draws(tiny_model
         stats[device] = llm.engine.spec_decode_stats
     assert runs["cuda"] == runs["cpu"]
     assert stats["cuda"].num_draft_tokens > 0 and stats["cuda"] == stats["cpu"]
+
+
+def test_kv_tier_blocks_load_into_a_cuda_pool_as_computed(tiny_model_dir, tmp_path):
+    """A CUDA engine started after another wrote the prompts' blocks to the host tier loads them (pinned staging,
+    copied on the tier worker's stream) and generates what a CPU engine computes."""
+    batch = [p * 3 for p in prompts(4, seed=5)]
+    tiers = {"host_bytes": 64 << 20, "host_path": str(tmp_path / "host")}
+    cpu = LLM(str(tiny_model_dir), device="cpu", dtype="float32", kv_cache_memory_bytes=1 << 24)
+    expected = token_ids(cpu, batch)
+    writer = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24, kv_tiers=tiers)
+    assert token_ids(writer, batch) == expected
+    writer.engine.kv.tier_io.drain()
+    reader = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24, kv_tiers=tiers)
+    assert token_ids(reader, batch) == expected
+    assert reader.engine.stats().kv_tiers["host"]["hits"] > 0
+    assert reader.engine.kv.tiers._staging.is_pinned()
