@@ -101,15 +101,14 @@ def vllm_preload() -> list[Path]:
 
 def vllm_env(settings: BenchSettings, cpus: list[int] | None = None,
              preload: list[Path] | None = None) -> dict[str, str]:
-    """vLLM's CPU build at its documented best on this host: the same KV budget as kvloom's (in GiB), its OpenMP
-    threads bound to every CPU this process may use, and on small hosts none reserved for its front end (its
-    default binding keeps one back: half of a 2-core host), the allocator and OpenMP runtime its guide preloads
-    (`vllm_preload()` by default), and passive OpenMP waits, with which it ran best on the AMX host (W1 float32
-    203 out tok/s against 113 at its defaults; docs/performance.md)."""
+    """vLLM's CPU build at its documented best on this host: its OpenMP threads bound to every CPU this process may
+    use, and on small hosts none reserved for its front end (its default binding keeps one back: half of a 2-core
+    host), the allocator and OpenMP runtime its guide preloads (`vllm_preload()` by default), and passive OpenMP
+    waits, with which it ran best on the AMX host (W1 float32 203 out tok/s against 113 at its defaults;
+    docs/performance.md). The KV budget, kvloom's, goes on its command line in bytes (`vllm_engine_flags`)."""
     cpus = sorted(os.sched_getaffinity(0)) if cpus is None else cpus
     preload = vllm_preload() if preload is None else preload
-    env = {"VLLM_CPU_KVCACHE_SPACE": f"{settings.kv_cache_memory_bytes / 2**30:g}",
-           "VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cpus), "OMP_WAIT_POLICY": "PASSIVE"}
     if len(cpus) <= SMALL_HOST_CPUS:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
     if preload:
@@ -117,13 +116,20 @@ def vllm_env(settings: BenchSettings, cpus: list[int] | None = None,
     return env
 
 
+def vllm_engine_flags(settings: BenchSettings, dtype: str, max_model_len: int) -> list[str]:
+    """The shared settings as vLLM's flags (its offline drivers take `vllm serve`'s names). The KV budget in bytes:
+    `VLLM_CPU_KVCACHE_SPACE` takes whole GiB only (vLLM 0.32 reads it with int())."""
+    return ["--dtype", dtype, "--max-num-seqs", str(settings.max_num_seqs),
+            "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes)]
+
+
 def vllm_offline_command(python: Path, workload: Path, model_dir: Path, out: Path, settings: BenchSettings,
                          dtype: str, max_model_len: int, speculative_config: dict | None = None,
                          lora: dict | None = None) -> list[str]:
     """`lora`: adapters by name, max_loras, max_cpu_loras, max_lora_rank (vLLM's own knobs of those names)."""
     command = [str(python), str(HERE / "peer_drivers" / "vllm_offline.py"), str(workload), str(model_dir), str(out),
-               "--dtype", dtype, "--max-num-seqs", str(settings.max_num_seqs),
-               "--max-num-batched-tokens", str(settings.max_num_batched_tokens), "--max-model-len", str(max_model_len)]
+               *vllm_engine_flags(settings, dtype, max_model_len)]
     if speculative_config:
         command += ["--speculative-config", json.dumps(speculative_config)]
     if lora:
@@ -136,10 +142,8 @@ def vllm_server_command(python: Path, model_dir: Path, port: int, settings: Benc
     """`vllm serve` as its module: the installed `vllm` script fails on the `vllm-cpu` package name. `lora` as
     for `vllm_offline_command`: each adapter served under its name."""
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
-               "--max-num-seqs", str(settings.max_num_seqs),
-               "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
-               "--max-model-len", str(max_model_len), "--seed", "0"]
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
+               *vllm_engine_flags(settings, dtype, max_model_len), "--seed", "0"]
     if lora:
         command += ["--enable-lora", "--max-loras", str(lora["max_loras"]), "--max-cpu-loras",
                     str(lora["max_cpu_loras"]), "--max-lora-rank", str(lora["max_lora_rank"]),

@@ -120,6 +120,10 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = Field(False, description="CUDA: no decode graphs (engine/cuda_graphs.py), every step eager")
     # auto: kvloom's fused decoder (engine/model/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
+    # vLLM's key. gguf: a GGUF model's linears run as the file stores them (Q4_0, Q4_1, Q8_0: kvloom's quantized
+    # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); None: every weight de-quantized to
+    # `dtype`, which stays the activations' dtype either way
+    quantization: Literal["gguf"] | None = None
     seed: int = 0
     # ranks a replica's model is split over (Megatron-style, see engine/tensor_parallel/tp_shards.py); on one host they share
     # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one
@@ -168,6 +172,9 @@ class EngineConfig(BaseModel):
                              "ranks; with tensor_parallel_size > 1 use ngram")
         if self.tiers is not None:
             raise ValueError("kv_tiers: not with tensor_parallel_size > 1 yet (each rank holds a share of a block)")
+        if self.quantization is not None:
+            raise ValueError("quantization: not with tensor_parallel_size > 1 yet (a rank's share of a row would "
+                             "split GGUF blocks)")
         return self
 
     @model_validator(mode="after")

@@ -80,7 +80,8 @@ class LLMEngine:
         self.block_size = config.block_size
         if config.tensor_parallel_size == 1:  # loaded first: a CUDA budget is profiled on it
             with self.startup.phase("weights"):
-                self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl)
+                self.decoder = load_decoder(model_dir, self.model_config, self.dtype, self.device, config.model_impl,
+                                            config.quantization)
             if config.lora and not isinstance(self.decoder, FusedDecoder):
                 raise ConfigError("lora", "adapters patch kvloom's fused decoder, which does not cover this model "
                                           "(model_impl: kvloom says why)")
@@ -129,7 +130,8 @@ class LLMEngine:
         """The configured KV tiers over this engine's cache (engine/kv_tiers/)."""
         key_cache = self.runner.kv_caches[0][0]
         shape = (len(self.runner.kv_caches), 2, self.block_size, *key_cache.shape[2:])
-        return KVTiers.build(self.config.tiers, kv_identity(model_dir, self.kv_dtype, shape), self.runner.export_blocks,
+        identity = kv_identity(model_dir, self.kv_dtype, shape, self.config.quantization)
+        return KVTiers.build(self.config.tiers, identity, self.runner.export_blocks,
                              self.runner.import_blocks, shape, self.kv_dtype, self.device)
 
     def _runner(self, num_blocks: int, model: LoadedModel | None = None) -> ModelRunner:
@@ -198,8 +200,11 @@ class LLMEngine:
         return self._finished(request, [])
 
     def shutdown(self) -> None:
-        """Stop what runs outside this process (tensor-parallel workers); the engine serves nothing after."""
+        """Stop what runs outside this step (tensor-parallel workers, the KV tiers' writes); the engine serves nothing
+        after."""
         self.runner.shutdown()
+        if self.kv.tier_io is not None:
+            self.kv.tier_io.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished

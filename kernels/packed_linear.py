@@ -39,6 +39,7 @@ class Layout(enum.Enum):
     SHARED = "shared"  # [out, in], read as it is by oneDNN (shared with another reader)
     ONEDNN = "onednn"  # oneDNN's blocked layout
     BLOCKED = "blocked"  # [ceil(out/32), in/E, 32, E], E inputs a 32-bit word: cpu_gemm.cpp's blocked_linear
+    QUANTIZED = "quantized"  # GGUF blocks in tiles of 16 outputs: quantized_linear.py (cpu_quant_gemm.cpp)
 
 
 @dataclass(frozen=True)

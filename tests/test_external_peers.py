@@ -32,7 +32,8 @@ def test_vllm_offline_runs_the_driver_in_vllms_own_python_with_the_shared_settin
     assert command[0] == "/venv/bin/python" and command[1].endswith("peer_drivers/vllm_offline.py")
     assert command[2:5] == ["w.jsonl", "/m", "o.json"]
     assert (flag(command, "--dtype"), flag(command, "--max-num-seqs"), flag(command, "--max-num-batched-tokens"),
-            flag(command, "--max-model-len")) == ("bfloat16", "64", "2048", "768")
+            flag(command, "--max-model-len"), flag(command, "--kv-cache-memory-bytes")) == (
+        "bfloat16", "64", "2048", "768", str(2 << 30))
     assert "--no-prefix-caching" not in command
     no_cache = BenchSettings(enable_prefix_caching=False)
     assert "--no-prefix-caching" in peers.vllm_offline_command(Path("p"), Path("w"), Path("m"), Path("o"), no_cache,
@@ -44,17 +45,19 @@ def test_vllm_serve_is_started_as_its_module_on_loopback():
     assert command[:3] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     assert (flag(command, "--host"), flag(command, "--port"), flag(command, "--model")) == ("127.0.0.1", "8123", "/m")
     assert flag(command, "--served-model-name") == peers.SERVED_NAME and flag(command, "--max-num-seqs") == "64"
+    assert flag(command, "--kv-cache-memory-bytes") == str(2 << 30)
 
 
-def test_vllm_runs_at_its_documented_best_with_the_same_kv_budget_in_gib():
+def test_vllm_runs_at_its_documented_best_with_the_same_kv_budget_in_bytes():
     """Every usable CPU bound to its engine, none reserved for its front end on a small host (its default binding
-    would keep one of two back), passive OpenMP waits, and the libraries its guide preloads where they exist."""
+    would keep one of two back), passive OpenMP waits, and the libraries its guide preloads where they exist. The
+    KV budget goes on the command line in bytes: vLLM reads `VLLM_CPU_KVCACHE_SPACE` as whole GiB."""
     assert peers.vllm_env(SETTINGS, cpus=[0, 1], preload=[]) == {
-        "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "OMP_WAIT_POLICY": "PASSIVE"}
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_WAIT_POLICY": "PASSIVE"}
     preloaded = peers.vllm_env(SETTINGS, cpus=[0, 1], preload=[Path("/lib/tcmalloc.so"), Path("/venv/lib/libiomp5.so")])
     assert preloaded["LD_PRELOAD"] == "/lib/tcmalloc.so:/venv/lib/libiomp5.so"
-    assert peers.vllm_env(BenchSettings(kv_cache_memory_bytes=3 << 29), cpus=[0])["VLLM_CPU_KVCACHE_SPACE"] == "1.5"
+    odd = peers.vllm_engine_flags(BenchSettings(kv_cache_memory_bytes=233 << 20), "float32", 768)
+    assert flag(odd, "--kv-cache-memory-bytes") == str(233 << 20)
     big = peers.vllm_env(SETTINGS, cpus=[*range(8), 10, 12, 13])
     assert big["VLLM_CPU_OMP_THREADS_BIND"] == "0-7,10,12-13" and "VLLM_CPU_NUM_OF_RESERVED_CPU" not in big
     assert peers.vllm_env(SETTINGS)["VLLM_CPU_OMP_THREADS_BIND"] == peers.cpu_list(sorted(os.sched_getaffinity(0)))

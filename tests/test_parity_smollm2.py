@@ -93,3 +93,12 @@ def test_bfloat16_agrees_with_float32_on_the_first_tokens(smollm2_dir, smollm2_p
     got = tokens(drive(make_engine(smollm2_dir, dtype="bfloat16"), smollm2_prompts, first))
     agreeing = [g[:BF16_PREFIX] == e[:BF16_PREFIX] for g, e in zip(got, expected)]
     assert sum(agreeing) >= 12, agreeing
+
+
+def test_the_q4_1_file_run_as_stored_gives_the_dequantized_float32_tokens(smollm2_dir, smollm2_prompts, expected,
+                                                                           drive):
+    """`quantization: gguf`: the embedded file's Q4_1 linears and Q8_0 head run by kvloom's quantized GEMM on the
+    file's exact weights; in float32 every token is the de-quantized model's (issue 72's goal asks 90% of them)."""
+    engine = make_engine(smollm2_dir, quantization="gguf")
+    assert type(engine.decoder.layers[0].qkv).__name__ == "QuantizedLinear"
+    assert tokens(drive(engine, smollm2_prompts, GREEDY)) == expected

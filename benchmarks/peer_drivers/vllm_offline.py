@@ -7,6 +7,8 @@ stats, when its first and last tokens came (engine-core monotonic clock, the sam
 vLLM's speculative-decoding counters when `--speculative-config` (vLLM's JSON) is given. With `--lora` (JSON:
 adapters by name, max_loras, max_cpu_loras, max_lora_rank) each request runs under the adapter its `lora` names.
     python vllm_offline.py WORKLOAD.jsonl MODEL_DIR OUT.json --dtype bfloat16 --max-num-seqs 64 ...
+
+`add_engine_arguments` and `engine` are the engine settings every vLLM driver here shares (vllm_multiturn.py).
 """
 
 import argparse
@@ -15,6 +17,27 @@ import time
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine's knobs, as kvloom's BenchSettings set them; `--kv-cache-memory-bytes` in bytes (vLLM 0.32's
+    `VLLM_CPU_KVCACHE_SPACE` takes whole GiB only)."""
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+
+
+def engine(args: argparse.Namespace, **knobs):
+    """vLLM's `LLM` with the shared settings (seed 0, its stats on) and any driver-specific `knobs`."""
+    from vllm import LLM
+
+    return LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+               kv_cache_memory_bytes=args.kv_cache_memory_bytes, enable_prefix_caching=not args.no_prefix_caching,
+               seed=0, disable_log_stats=False, **knobs)
 
 
 def spec_decode_counters(metrics) -> dict:
@@ -33,16 +56,12 @@ def main() -> None:
     parser.add_argument("workload")
     parser.add_argument("model")
     parser.add_argument("out")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--no-prefix-caching", action="store_true")
+    add_engine_arguments(parser)
     parser.add_argument("--speculative-config", type=json.loads, default=None)
     parser.add_argument("--lora", type=json.loads, default=None)
     args = parser.parse_args()
 
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
@@ -55,10 +74,7 @@ def main() -> None:
     adapters = [LoRARequest(r["lora"], ids[r["lora"]], lora["adapters"][r["lora"]]) if r.get("lora") else None
                 for r in requests]
     load_start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-              enable_prefix_caching=not args.no_prefix_caching, seed=0,
-              speculative_config=args.speculative_config, disable_log_stats=False, **lora_knobs)
+    llm = engine(args, speculative_config=args.speculative_config, **lora_knobs)
     load_s = time.perf_counter() - load_start
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]

@@ -109,6 +109,10 @@ class TierIO:
         if self._last is not None:
             self._last.exception()
 
+    def close(self) -> None:
+        """Finish what was handed to the worker and stop it (the engine's end: no file left half-written)."""
+        self.worker.shutdown(wait=True)
+
     def _submit(self, fn, *args) -> Future:
         self._last = self.worker.submit(fn, *args)
         return self._last

@@ -41,11 +41,13 @@ def opened(root: Path, budget: int, identity: bytes, below: BlockStore | None, f
         raise ConfigError(field, f"cannot keep KV blocks in {root}: {exc}") from None
 
 
-def kv_identity(model_dir: Path, kv_dtype: torch.dtype, block_shape: tuple[int, ...]) -> bytes:
+def kv_identity(model_dir: Path, kv_dtype: torch.dtype, block_shape: tuple[int, ...],
+                quantization: str | None = None) -> bytes:
     """What a stored block's KV depends on besides its tokens: the checkpoint (its files' names, sizes and times),
-    the KV dtype and the block layout [layers, 2, block_size, kv_heads, head_dim]."""
+    the weights' form (quantized or not), the KV dtype and the block layout [layers, 2, block_size, kv_heads,
+    head_dim]."""
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
-    return hashlib.blake2b(repr((files, str(kv_dtype), block_shape)).encode(), digest_size=16).digest()
+    return hashlib.blake2b(repr((files, quantization, str(kv_dtype), block_shape)).encode(), digest_size=16).digest()
 
 
 @dataclass

@@ -37,7 +37,9 @@ from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tensor_parallel.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
+from kvloom.engine.model.quantized_weights import QuantizedWeights
 from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
+from kvloom.kernels.quantized_linear import QuantizedLinear
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
 MLP_ROWS = 512  # rows per MLP pass (see FusedDecoder._mlp)
@@ -57,9 +59,11 @@ class FusedDecoder:
     """hidden states = FusedDecoder(...)(input_ids [T], positions [T], context); logits(hidden)."""
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint,
-                 group: SingleDevice | TensorParallelGroup = SingleDevice()) -> None:
+                 group: SingleDevice | TensorParallelGroup = SingleDevice(),
+                 quantized: QuantizedWeights | None = None) -> None:
         """`config` and `checkpoint` as this rank sees them: a tensor-parallel rank's heads, MLP width and
-        vocabulary range, with `group` reducing its partial sums (see tp_shards.py)."""
+        vocabulary range, with `group` reducing its partial sums (see tp_shards.py). `quantized`: the GGUF blocks
+        the linears run as stored (`quantization: gguf`, one rank)."""
         self.group = group
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
@@ -74,20 +78,24 @@ class FusedDecoder:
         norm = lambda name: checkpoint.get(name, torch.float32)  # noqa: E731  (the residual's dtype)
         self.final_norm = norm("model.norm.weight")
         self.layers = []
+        linear = lambda names: _pack(checkpoint, names, quantized)  # noqa: E731
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
             self.layers.append(FusedLayer(
                 input_norm=norm(f"{prefix}.input_layernorm.weight"),
-                qkv=_pack(checkpoint, [f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]),
-                o_proj=_pack(checkpoint, [f"{prefix}.self_attn.o_proj"]),
+                qkv=linear([f"{prefix}.self_attn.{name}" for name in ("q_proj", "k_proj", "v_proj")]),
+                o_proj=linear([f"{prefix}.self_attn.o_proj"]),
                 post_attention_norm=norm(f"{prefix}.post_attention_layernorm.weight"),
-                gate_up=_pack(checkpoint, [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
-                down=_pack(checkpoint, [f"{prefix}.mlp.down_proj"]),
+                gate_up=linear([f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
+                down=linear([f"{prefix}.mlp.down_proj"]),
             ))
-        self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32
+        tied_blocks = quantized.blocks(["model.embed_tokens.weight"]) if quantized is not None else None
+        self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32 and tied_blocks is None
                                       and host_layout(self.embed) is not Layout.BLOCKED)
         if not config.tie_word_embeddings:
-            self.lm_head = _pack(checkpoint, ["lm_head"])
+            self.lm_head = linear(["lm_head"])
+        elif tied_blocks is not None:  # the table's own blocks: read as stored, the lookup reads the dense table
+            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype)
         elif self.head_shares_embedding:
             self.lm_head = PackedLinear.share(self.embed)
         else:
@@ -181,11 +189,11 @@ class FusedDecoder:
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def runs_on_own_kernels(self) -> bool:
-        """Every linear is kvloom's blocked GEMM: a CPU step's heavy work is all kvloom's kernels
+        """Every linear is kvloom's blocked or quantized GEMM: a CPU step's heavy work is all kvloom's kernels
         (kernels/item_pool.py)."""
         linears = [self.lm_head] + [linear for layer in self.layers
                                     for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
-        return all(linear.layout is Layout.BLOCKED for linear in linears)
+        return all(linear.layout in (Layout.BLOCKED, Layout.QUANTIZED) for linear in linears)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab]; under tensor parallelism on rank 0 only (None on the others)."""
@@ -201,10 +209,16 @@ class FusedDecoder:
         return sum(t.numel() * t.element_size() for t in tensors)  # oneDNN's packed layout: its dense size
 
 
-def _pack(checkpoint: Checkpoint, prefixes: list[str]) -> PackedLinear:
-    """One packed linear computing the named ones side by side; their sources are released after."""
-    weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
+def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None
+          ) -> PackedLinear | QuantizedLinear:
+    """One linear computing the named ones side by side: from their GGUF blocks where `quantized` holds them in
+    a type kvloom runs (and each has a bias, or none has), else packed from the checkpoint's weights (their
+    sources released after)."""
     biases = [checkpoint.get(f"{p}.bias") if f"{p}.bias" in checkpoint else None for p in prefixes]
+    blocks = quantized.blocks([f"{p}.weight" for p in prefixes]) if quantized is not None else None
+    if blocks is not None and len({b is None for b in biases}) == 1:
+        return QuantizedLinear.pack(*blocks, checkpoint.dtype, None if biases[0] is None else torch.cat(biases))
+    weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
     packed = PackedLinear.pack(torch.cat(weights) if len(weights) > 1 else weights[0], bias)

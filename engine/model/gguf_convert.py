@@ -4,8 +4,13 @@ transformers can load a GGUF file too, but it parses the file's metadata three t
 weights), element by element, and builds a tensor-name map per tensor: about a minute for SmolLM2-135M on
 a 2-core host against a few seconds here (docs/performance.md). The output is the same: bit-identical
 weights, the same config and tokenizer files (tests/test_gguf_convert.py compares them).
+
+Beside them, quantized.safetensors keeps the linears whose block types kvloom runs as stored (Q4_0, Q4_1, Q8_0:
+kernels/quantized_linear.py) as the file stores them, one uint8 row of blocks per output, and names every 2-D
+weight's GGUF type in its metadata, for `quantization: gguf` (engine/model/quantized_weights.py).
 """
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +45,8 @@ LAYER_TENSORS = {
 }
 # llama.cpp interleaves the rotary halves of q and k rows for these architectures; undone on the way back
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
+QUANTIZED_FILE = "quantized.safetensors"
+RUN_AS_STORED = {"Q4_0", "Q4_1", "Q8_0"}  # GGUF block types kvloom's quantized GEMM runs
 
 
 def read_gguf(path: Path):
@@ -81,22 +88,46 @@ def unpermute_rotary(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def hf_rows(tensor, rows: np.ndarray, config: dict) -> np.ndarray:
+    """A tensor's rows (values, or a quantized type's rows of blocks) in transformers' order."""
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    part = tensor.name.split(".")[-2]
+    if config["model_type"] in PERMUTED_ARCHITECTURES and part in heads:
+        return unpermute_rotary(rows, heads[part])
+    return rows
+
+
 def hf_tensors(tensors, config: dict) -> dict:
     """De-quantized float32 torch tensors under transformers' names, in transformers' (row-major) shapes."""
     import torch
     from gguf import dequantize
 
-    unpermute = config["model_type"] in PERMUTED_ARCHITECTURES
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     out = {}
     for tensor in tensors:
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists the fastest-moving dimension first
         weight = dequantize(tensor.data, tensor.tensor_type).reshape(shape).astype(np.float32)  # a writable copy
-        part = tensor.name.split(".")[-2]
-        if unpermute and part in heads:
-            weight = unpermute_rotary(weight, heads[part])
-        out[hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(weight))
+        out[hf_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(hf_rows(tensor, weight, config)))
     return out
+
+
+def write_quantized(gguf: Path, target: Path) -> None:
+    """`target`'s quantized.safetensors from the GGUF file (written whole or not at all)."""
+    import torch
+    from safetensors.torch import save_file
+
+    metadata, tensors = read_gguf(gguf)
+    config = hf_config(metadata, {t.name for t in tensors})
+    types, kept = {}, {}
+    for tensor in tensors:
+        if len(tensor.shape) != 2:
+            continue
+        name, kind = hf_name(tensor.name), tensor.tensor_type.name
+        types[name] = kind
+        if kind in RUN_AS_STORED:
+            kept[name] = torch.from_numpy(np.ascontiguousarray(hf_rows(tensor, np.array(tensor.data), config)))
+    staging = target / f".{QUANTIZED_FILE}.tmp"
+    save_file(kept, staging, metadata={"gguf_types": json.dumps(types)})
+    staging.replace(target / QUANTIZED_FILE)
 
 
 def convert_gguf(gguf: Path, target: Path) -> None:
@@ -111,3 +142,4 @@ def convert_gguf(gguf: Path, target: Path) -> None:
     GenerationConfig.from_model_config(config).save_pretrained(target)
     save_file(hf_tensors(tensors, fields), target / "model.safetensors", metadata={"format": "pt"})
     PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(target)
+    write_quantized(gguf, target)

@@ -96,4 +96,9 @@ def resolve_model_dir(model: str) -> Path:
     target = cache_root() / f"{gguf.stem}-{_fingerprint(gguf)[:12]}"
     if not (target / "config.json").is_file():
         _convert_gguf(gguf, target)
+    else:
+        from kvloom.engine.model.gguf_convert import QUANTIZED_FILE, write_quantized
+
+        if not (target / QUANTIZED_FILE).is_file():  # converted before quantized weights were kept
+            write_quantized(gguf, target)
     return target

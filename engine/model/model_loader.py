@@ -16,6 +16,7 @@ from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.quantized_weights import QuantizedWeights
 from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.engine.tensor_parallel.tp_group import TensorParallelGroup
 from kvloom.engine.tensor_parallel.tp_shards import RankShard, ShardedCheckpoint
@@ -54,6 +55,18 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     return LoadedModel(config, tokenizer, load_decoder(model_dir, config, dtype, device, model_impl))
 
 
+def quantized_weights(model_dir: Path, quantization: str | None) -> QuantizedWeights | None:
+    """The GGUF blocks the decoder runs as stored, for `quantization: gguf`."""
+    if quantization is None:
+        return None
+    quantized = QuantizedWeights.open(model_dir)
+    if quantized is None:
+        raise ConfigError("quantization", f"{model_dir} was not converted from a GGUF file: it has no quantized "
+                                          "weights to run as stored")
+    quantized.log_inflated()
+    return quantized
+
+
 def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, group: TensorParallelGroup,
                        dtype: torch.dtype, device: torch.device) -> FusedDecoder:
     """One tensor-parallel rank's decoder, holding only its slices of the weights (see tp_shards.py)."""
@@ -66,15 +79,23 @@ def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, g
 
 
 def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 model_impl: str) -> FusedDecoder | StockDecoder:
+                 model_impl: str, quantization: str | None = None) -> FusedDecoder | StockDecoder:
+    """kvloom's fused decoder where it covers the model (and `model_impl` allows), else the stock one;
+    `quantization: gguf` needs the fused one and a model converted from a GGUF file."""
     if model_impl != "transformers":
         checkpoint = Checkpoint.open(model_dir, dtype, device)
         reason = FusedDecoder.unsupported(config, checkpoint)
         if reason is None:
-            return FusedDecoder(config, checkpoint)
+            return FusedDecoder(config, checkpoint, quantized=quantized_weights(model_dir, quantization))
         if model_impl == "kvloom":
             raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
                                             "use auto or transformers")
+        if quantization is not None:
+            raise ConfigError("quantization", f"quantized weights run in kvloom's fused decoder, which does not "
+                                              f"cover this model ({reason})")
+    elif quantization is not None:
+        raise ConfigError("quantization", "quantized weights run in kvloom's fused decoder, not model_impl "
+                                          "transformers")
     try:
         return StockDecoder.load(model_dir, dtype, device)
     except (OSError, ValueError, SafetensorError) as exc:  # a truncated weights file raises SafetensorError

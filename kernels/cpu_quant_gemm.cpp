@@ -1,0 +1,461 @@
+// Weight-only quantized linears: GGUF Q4_1, Q4_0 and Q8_0 weights (blocks of 32 along the input) run as the file
+// stores them, dequantized in registers, so a batch-1 decode reads each weight byte once (0.625 bytes a weight for
+// Q4_1, 1.0625 for Q8_0, against bfloat16's 2).
+//
+// Layout (kernels/quantized_linear.py packs it once at load): tiles of 16 outputs by one block of 32 inputs,
+// [ceil(N/16), K/32, tile bytes], each output tile's blocks contiguous; the file's bytes rearranged, nothing added
+// but the zero outputs padding N (and Q4_0's min):
+//   Q4 (Q4_1; Q4_0 as Q4_1 with m = -8d), 320 bytes: d[16] f16, m[16] f16, then 8 chunks of 32 bytes: chunk c's byte
+//      2j+e holds output j's weights at inputs 2c+e (low nibble) and 2c+16+e (high nibble); w = d*q + m.
+//   Q8 (Q8_0), 544 bytes: d[16] f16, then 16 chunks of 32 int8: chunk p's byte 2j+e is output j's weight at input
+//      2p+e; w = d*q.
+// Read as 16-bit words, a chunk holds one word an output (Q4: four nibbles, inputs 2c, 2c+16, 2c+1, 2c+17; Q8: two
+// bytes, inputs 2p, 2p+1), so float32 lanes are outputs (AVX-512: 16, AVX2: 2 x 8, or plain C++). Read as bytes
+// widened to 16 bits, it holds bfloat16 pairs: lane 2j+e is output j's input 2c+e (Q4: and 2c+16+e), which VDPBF16PS
+// reduces against a broadcast pair of bfloat16 inputs (AVX512-BF16, bfloat16 activations): 32 weights an instruction,
+// as kvloom's bfloat16 GEMM.
+//
+// Math: per block, S = sum over its 32 inputs of x*q in float32 (q small integers, exact in float32 or bfloat16),
+// then y += d*S + m*X, with X the block's sum of x (once per call and row). In the VDPBF16PS kernel q becomes a
+// bfloat16 by bits alone: 0x3F80 | q << 3 is 1 + q/16, so its sum is S' = X + S/16 and d*S + m*X = 16d*S' + (m-16d)*X;
+// Q8's int8 go through float32 (exact).
+// Sums are float32, rounded once to bfloat16 (nearest even) for bfloat16 activations. Work items (rows x adjacent
+// tiles) are dealt from a shared counter as in kvloom's other kernels (cpu_deal.h).
+//
+// Built for this CPU (-march=native), and by tests for the instruction sets below it (cpu_extensions.ISA_VARIANTS:
+// ops suffixed _avx512, _avx2, _generic), so each of its paths is tested where the host runs it.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "cpu_deal.h"
+#include "cpu_vec.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t TILE_N = 16;   // outputs per tile
+constexpr int64_t BLOCK_K = 32;  // weights per GGUF block
+constexpr int64_t SERIAL_PREP = 1 << 15;  // x elements prepared on the calling thread (waking the team costs more)
+constexpr int64_t MAX_ITEM_TILES = 32;    // tiles per work item at most (a few hundred KB of weights)
+
+// The weight stream 4 KB ahead into L2 (an item's tiles are contiguous; prefetches never fault), on a tile's first
+// pass only (from memory; the row blocks after it find it in cache, where prefetches cost Q8_0 10% at 16-64 rows).
+// SmolLM2's batch-1 GEMMs (96 MB, cold) on a loaded 2-core EPYC, best of 3 alternated runs: 3.8 ms against 4.7
+// without, and an L1 prefetch 1 KB ahead was slower than none (one thread: 4.7 ms with or without, 5.6 with it).
+inline void prefetch(const uint8_t* tile) {
+  __builtin_prefetch(tile + 4096, 0, 2);
+  __builtin_prefetch(tile + 4096 + 256, 0, 2);
+}
+
+// float32 vectors of N outputs, and the loads that make them from a tile
+#if defined(__AVX512F__)
+struct Lanes {
+  static constexpr int N = 16, R_MAX = 8, CHAINS = 2;  // 3 accumulators a row of 32 registers
+  static constexpr const char* ISA = "avx512";
+  using F = __m512;
+  using Words = __m512i;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F splat(float a) { return _mm512_set1_ps(a); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F halves(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Words words(const uint8_t* p) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <int SHIFT>
+  static F nibbles(Words w) {
+    const Words shifted = SHIFT ? _mm512_srli_epi32(w, SHIFT) : w;
+    return _mm512_cvtepi32_ps(SHIFT == 12 ? shifted : _mm512_and_si512(shifted, _mm512_set1_epi32(15)));
+  }
+  template <int BYTE>  // byte BYTE of each word, as a signed int8
+  static F signed_byte(Words w) {
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * BYTE), 24));
+  }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Lanes {
+  static constexpr int N = 8, R_MAX = 2, CHAINS = 1;  // 4 accumulators a row of 16 registers
+  static constexpr const char* ISA = "avx2";
+  using F = __m256;
+  using Words = __m256i;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F splat(float a) { return _mm256_set1_ps(a); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F halves(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Words words(const uint8_t* p) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  template <int SHIFT>
+  static F nibbles(Words w) {
+    const Words shifted = SHIFT ? _mm256_srli_epi32(w, SHIFT) : w;
+    return _mm256_cvtepi32_ps(SHIFT == 12 ? shifted : _mm256_and_si256(shifted, _mm256_set1_epi32(15)));
+  }
+  template <int BYTE>
+  static F signed_byte(Words w) {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * BYTE), 24));
+  }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#else
+struct Lanes {  // one output a lane, plain C++ (the compiler vectorizes what it can)
+  static constexpr int N = 1, R_MAX = 4, CHAINS = 1;
+  static constexpr const char* ISA = "generic";
+  using F = float;
+  using Words = uint32_t;
+  static F zero() { return 0.f; }
+  static F splat(float a) { return a; }
+  // one rounding, and a builtin that -ffast-math's reassociation leaves in order (a chain of a * b + c it may split
+  // into partial sums, differently for each row count): a row's result stays independent of its batch
+  static F fma(F a, F b, F c) { return __builtin_fmaf(a, b, c); }
+  static F add(F a, F b) { return a + b; }
+  static F halves(const uint8_t* p) {
+    uint16_t bits;
+    std::memcpy(&bits, p, 2);
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+  static Words words(const uint8_t* p) { return p[0] | static_cast<Words>(p[1]) << 8; }
+  template <int SHIFT>
+  static F nibbles(Words w) { return static_cast<float>((w >> SHIFT) & 15); }
+  template <int BYTE>
+  static F signed_byte(Words w) { return static_cast<float>(static_cast<int8_t>(w >> (8 * BYTE))); }
+  static void store(float* p, F v) { *p = v; }
+};
+#endif
+
+// A block's sum for an output runs in CHAINS chains (steps alternating between them, added at the block's end) and
+// joins the output's total in block order, whatever the rows R of the register block: a row's result does not depend
+// on the rows batched with it. For the latency of dependent FMAs to hide, a kernel wants 4 sums in flight: at few rows
+// it runs blocks_for(R, sums a block and row) adjacent blocks in turn (memory order: one stream), which the
+// out-of-order core overlaps.
+constexpr int blocks_for(int rows, int sums) { return rows * sums >= 4 ? 1 : 4 / (rows * sums); }
+
+template <typename V, size_t C>
+V total(const std::array<V, C>& chains) {
+  V sum = chains[0];
+  for (size_t i = 1; i < C; ++i) sum = Lanes::add(sum, chains[i]);
+  return sum;
+}
+
+// A block format: per block, the float32 kernel's STEPS steps of PER_STEP weight vectors (one input each; lanes are
+// outputs) and, under AVX512-BF16, the pair kernel's PAIR_STEPS steps of PAIR_PER_STEP bfloat16 vectors (a pair of
+// inputs each, lane 2j+e output j's input of parity e); then y += d*S (+ m*X where MIN).
+struct Q4 {
+  static constexpr int64_t TILE = 64 + 256;
+  static constexpr bool MIN = true;
+  static constexpr int STEPS = 8, PER_STEP = 4;  // step c: a chunk's words, nibbles for inputs 2c, 2c+16, 2c+1, 2c+17
+  static int input(int step, int i) { return 2 * step + std::array{0, 16, 1, 17}[i]; }
+  static void weights(const uint8_t* tile, int step, int h, Lanes::F (&q)[PER_STEP]) {
+    const Lanes::Words w = Lanes::words(tile + 64 + 32 * step + 2 * Lanes::N * h);
+    q[0] = Lanes::nibbles<0>(w);
+    q[1] = Lanes::nibbles<4>(w);
+    q[2] = Lanes::nibbles<8>(w);
+    q[3] = Lanes::nibbles<12>(w);
+  }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  static constexpr int PAIR_STEPS = 8, PAIR_PER_STEP = 2;  // step c: a chunk's bytes, pairs (2c, 2c+1), (2c+16, 2c+17)
+  static int pair(int step, int i) { return step + 8 * i; }
+  // q as the bfloat16 1 + q/16, by bits: (nibble << 3) | 0x3F80 (ternary logic 0xEA: (a & b) | c)
+  static void pair_weights(const uint8_t* tile, int step, __m512bh (&q)[PAIR_PER_STEP]) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + 64 + 32 * step)));
+    const __m512i nibble = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+    q[0] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_slli_epi16(w, 3), nibble, one, 0xEA);
+    q[1] = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 1), nibble, one, 0xEA);
+  }
+  // the sum of 1 + q/16 is X + S/16: d*S + m*X = 16d * that + (m - 16d) * X
+  static __m512 pair_scale(const uint8_t* tile) { return _mm512_mul_ps(Lanes::halves(tile), _mm512_set1_ps(16.f)); }
+  static __m512 pair_min(const uint8_t* tile, __m512 scale) { return _mm512_sub_ps(Lanes::halves(tile + 32), scale); }
+#endif
+};
+
+struct Q8 {
+  static constexpr int64_t TILE = 32 + 512;
+  static constexpr bool MIN = false;
+  static constexpr int STEPS = 16, PER_STEP = 2;  // step p: a chunk's words, bytes for inputs 2p, 2p+1
+  static int input(int step, int i) { return 2 * step + i; }
+  static void weights(const uint8_t* tile, int step, int h, Lanes::F (&q)[PER_STEP]) {
+    const Lanes::Words w = Lanes::words(tile + 32 + 32 * step + 2 * Lanes::N * h);
+    q[0] = Lanes::signed_byte<0>(w);
+    q[1] = Lanes::signed_byte<1>(w);
+  }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  static constexpr int PAIR_STEPS = 16, PAIR_PER_STEP = 1;  // step p: a chunk, pair (2p, 2p+1)
+  static int pair(int step, int) { return step; }
+  // int8 -> float32 -> bfloat16, exact (|q| <= 128 has 8 significant bits); outputs 0-7, then 8-15
+  static void pair_weights(const uint8_t* tile, int step, __m512bh (&q)[PAIR_PER_STEP]) {
+    const auto* chunk = reinterpret_cast<const __m128i*>(tile + 32 + 32 * step);
+    const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(chunk)));
+    const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(chunk + 1)));
+    q[0] = _mm512_cvtne2ps_pbh(high, low);
+  }
+  static __m512 pair_scale(const uint8_t* tile) { return Lanes::halves(tile); }
+  static __m512 pair_min(const uint8_t*, __m512) { return _mm512_setzero_ps(); }
+#endif
+};
+
+constexpr int H = TILE_N / Lanes::N;  // float32 vectors a tile
+// a kernel's running sums, R rows by V vectors, passed by value: GCC keeps a by-value array in registers
+template <typename Vector, int R, int V>
+using Sums = std::array<std::array<Vector, V>, R>;
+
+// Float32 x: R rows (row stride K) against BB blocks of a tile from block b; their sums join acc in block order.
+template <typename Format, int R, int BB>
+__attribute__((always_inline)) inline Sums<Lanes::F, R, H> float_blocks(const float* x, int64_t K, const float* xsum,
+                                                                         const uint8_t* tile, int64_t b, bool first,
+                                                                         Sums<Lanes::F, R, H> acc) {
+  using F = Lanes::F;
+  const int64_t B = K / BLOCK_K;
+  const uint8_t* blocks = tile + b * Format::TILE;
+  if (first) for (int k = 0; k < BB; ++k) prefetch(blocks + k * Format::TILE);
+  constexpr int C = Lanes::CHAINS;
+  std::array<F, C> s[R][BB][H];
+  for (auto& row : s) for (auto& block : row) for (auto& chains : block) chains.fill(Lanes::zero());
+#pragma GCC unroll 4
+  for (int k = 0; k < BB; ++k) {
+#pragma GCC unroll 16  // whole: every index a constant, so the sums stay in registers
+    for (int step = 0; step < Format::STEPS; ++step) {
+#pragma GCC unroll 2
+      for (int h = 0; h < H; ++h) {
+        F q[Format::PER_STEP];
+        Format::weights(blocks + k * Format::TILE, step, h, q);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float* xr = x + r * K + (b + k) * BLOCK_K;
+#pragma GCC unroll 4
+          for (int i = 0; i < Format::PER_STEP; ++i) {
+            F& chain = s[r][k][h][(step * Format::PER_STEP + i) % C];
+            chain = Lanes::fma(Lanes::splat(xr[Format::input(step, i)]), q[i], chain);
+          }
+        }
+      }
+    }
+  }
+  for (int k = 0; k < BB; ++k) {
+    for (int h = 0; h < H; ++h) {
+      const uint8_t* scales = blocks + k * Format::TILE + 2 * Lanes::N * h;
+      const F d = Lanes::halves(scales), m = Format::MIN ? Lanes::halves(scales + 32) : Lanes::zero();
+      for (int r = 0; r < R; ++r) {
+        acc[r][h] = Lanes::fma(d, total(s[r][k][h]), acc[r][h]);
+        if constexpr (Format::MIN) acc[r][h] = Lanes::fma(m, Lanes::splat(xsum[r * B + b + k]), acc[r][h]);
+      }
+    }
+  }
+  return acc;
+}
+
+// Float32 x: R rows (row stride K) against one tile's K/32 blocks -> out[R][16]; `first`: the tile's first pass.
+template <typename Format, int R>
+void float_rows(const float* x, int64_t K, const float* xsum, const uint8_t* tile, bool first, float* out) {
+  constexpr int BB = blocks_for(R, H * Lanes::CHAINS);
+  const int64_t B = K / BLOCK_K;
+  Sums<Lanes::F, R, H> acc;
+  for (auto& row : acc) row.fill(Lanes::zero());
+  int64_t b = 0;
+  for (; b + BB <= B; b += BB) acc = float_blocks<Format, R, BB>(x, K, xsum, tile, b, first, acc);
+  for (; b < B; ++b) acc = float_blocks<Format, R, 1>(x, K, xsum, tile, b, first, acc);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) Lanes::store(out + r * TILE_N + h * Lanes::N, acc[r][h]);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool BF16_PAIRS = true;
+constexpr int PAIR_CHAINS = 2;  // 2 sums a row and block, and a total: 24 of 32 registers at 8 rows
+// bfloat16 x taken as pairs (32-bit words, K/2 a row): R rows against BB blocks of a tile from block b (VDPBF16PS);
+// their sums join acc in block order.
+template <typename Format, int R, int BB>
+__attribute__((always_inline)) inline Sums<__m512, R, 1> pair_blocks(const uint32_t* x, int64_t K, const float* xsum,
+                                                                      const uint8_t* tile, int64_t b, bool first,
+                                                                      Sums<__m512, R, 1> acc) {
+  const int64_t B = K / BLOCK_K, KW = K / 2;
+  const uint8_t* blocks = tile + b * Format::TILE;
+  if (first) for (int k = 0; k < BB; ++k) prefetch(blocks + k * Format::TILE);
+  std::array<__m512, PAIR_CHAINS> s[R][BB];
+  for (auto& row : s) for (auto& chains : row) chains.fill(_mm512_setzero_ps());
+#pragma GCC unroll 4
+  for (int k = 0; k < BB; ++k) {
+#pragma GCC unroll 16
+    for (int step = 0; step < Format::PAIR_STEPS; ++step) {
+      __m512bh q[Format::PAIR_PER_STEP];
+      Format::pair_weights(blocks + k * Format::TILE, step, q);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        for (int i = 0; i < Format::PAIR_PER_STEP; ++i) {
+          const uint32_t pair = x[r * KW + (b + k) * (BLOCK_K / 2) + Format::pair(step, i)];
+          __m512& chain = s[r][k][(step * Format::PAIR_PER_STEP + i) % PAIR_CHAINS];
+          chain = _mm512_dpbf16_ps(chain, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), q[i]);
+        }
+      }
+    }
+  }
+  for (int k = 0; k < BB; ++k) {
+    const __m512 d = Format::pair_scale(blocks + k * Format::TILE), m = Format::pair_min(blocks + k * Format::TILE, d);
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm512_fmadd_ps(d, total(s[r][k]), acc[r][0]);
+      if constexpr (Format::MIN) acc[r][0] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * B + b + k]), acc[r][0]);
+    }
+  }
+  return acc;
+}
+
+template <typename Format, int R>
+void pair_rows(const uint32_t* x, int64_t K, const float* xsum, const uint8_t* tile, bool first, float* out) {
+  constexpr int BB = blocks_for(R, PAIR_CHAINS);
+  const int64_t B = K / BLOCK_K;
+  Sums<__m512, R, 1> acc;
+  for (auto& row : acc) row.fill(_mm512_setzero_ps());
+  int64_t b = 0;
+  for (; b + BB <= B; b += BB) acc = pair_blocks<Format, R, BB>(x, K, xsum, tile, b, first, acc);
+  for (; b < B; ++b) acc = pair_blocks<Format, R, 1>(x, K, xsum, tile, b, first, acc);
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE_N, acc[r][0]);
+}
+#else
+constexpr bool BF16_PAIRS = false;
+#endif
+
+template <typename X>
+using RowsFn = void (*)(const X*, int64_t, const float*, const uint8_t*, bool, float*);
+
+template <typename X, size_t R_MAX>
+using RowsTable = std::array<RowsFn<X>, R_MAX>;  // [R - 1]
+
+template <typename Format, int... Rs>
+constexpr RowsTable<float, sizeof...(Rs)> float_rows_table(std::integer_sequence<int, Rs...>) {
+  return {float_rows<Format, Rs + 1>...};
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+template <typename Format, int... Rs>
+constexpr RowsTable<uint32_t, sizeof...(Rs)> pair_rows_table(std::integer_sequence<int, Rs...>) {
+  return {pair_rows<Format, Rs + 1>...};
+}
+#endif
+
+// x [M, K] (row stride x_stride in X) against the tiles -> y [M, N] (+ bias), rows in groups of 4 R_MAX, each
+// work item a row group by adjacent tiles (row groups outer: a group's x stays in L2; tiles outer within an item: a
+// tile's weights stay in L1 over its row blocks)
+template <typename X, size_t R_MAX, typename Out>
+void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, int64_t M, int64_t K,
+               const float* xsum, const uint8_t* tiles, int64_t tile_bytes, const float* bias, Out* y, int64_t N) {
+  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = 4 * static_cast<int64_t>(R_MAX);
+  const int64_t row_groups = (M + item_rows - 1) / item_rows, threads = deal_threads();
+  // about 2 items a thread: long contiguous streams for the hardware prefetcher (SmolLM2's 576x576 Q4_1 GEMV from
+  // memory, 2 threads: 13-15 us against 22-24 with 8 items a thread), one left to share if a thread is preempted
+  const int64_t per_item = std::clamp<int64_t>(T * row_groups / (2 * threads), 1, MAX_ITEM_TILES);
+  const int64_t tile_groups = (T + per_item - 1) / per_item;
+  deal_items(row_groups * tile_groups, [] { return 0; }, [&](int64_t item, int) {
+    const int64_t m_begin = item / tile_groups * item_rows, m_end = std::min(M, m_begin + item_rows);
+    const int64_t t_begin = item % tile_groups * per_item, t_end = std::min(T, t_begin + per_item);
+    float out[R_MAX * TILE_N];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n = t * TILE_N, n_valid = std::min(TILE_N, N - n);
+      for (int64_t m = m_begin; m < m_end; m += R_MAX) {
+        const int64_t r_count = std::min<int64_t>(R_MAX, m_end - m);
+        rows[r_count - 1](x + m * x_stride, K, xsum ? xsum + m * B : nullptr, tiles + t * B * tile_bytes,
+                          m == m_begin, out);
+        for (int64_t r = 0; r < r_count; ++r)
+          for (int64_t j = 0; j < n_valid; ++j)
+            y[(m + r) * N + n + j] = narrow<Out>(out[r * TILE_N + j] + (bias ? bias[n + j] : 0.f));
+      }
+    }
+  });
+}
+
+// Per block of 32 inputs of x [M, K]: its sum (sums, if any) and x widened to float32 (widened, if any).
+template <typename In>
+void prepare(const In* x, int64_t M, int64_t K, float* widened, float* sums) {
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < BLOCK_K; ++k) {
+        const float v = widen(x[i * BLOCK_K + k]);
+        sum += v;
+        if (widened) widened[i * BLOCK_K + k] = v;
+      }
+      if (sums) sums[i] = sum;
+    }
+  };
+  const int64_t blocks = M * K / BLOCK_K;
+  if (M * K <= SERIAL_PREP) run(0, blocks);
+  else parallel_chunks(0, blocks, SERIAL_PREP / BLOCK_K, run);
+}
+
+std::string quant_linear_path(int64_t bits, at::ScalarType dtype) {
+  return BF16_PAIRS && dtype == at::kBFloat16 ? "avx512bf16" : Lanes::ISA;
+}
+
+// x [M, K] float32 or bfloat16 times tiles [ceil(N/16), K/32, 320 (bits 4) or 544 (bits 8)] uint8 (+ bias [N]
+// float32) -> [M, N] of x's dtype
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bits, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 (Q4_1, Q4_0) or 8 (Q8_0)");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat),
+              "x: contiguous [M, K] float32 or bfloat16");
+  const int64_t M = x.size(0), K = x.size(1), B = K / BLOCK_K, tile_bytes = bits == 4 ? Q4::TILE : Q8::TILE;
+  TORCH_CHECK(K % BLOCK_K == 0 && tiles.dim() == 3 && tiles.scalar_type() == at::kByte && tiles.is_contiguous() &&
+                  tiles.size(0) == (N + TILE_N - 1) / TILE_N && tiles.size(1) == B && tiles.size(2) == tile_bytes,
+              "tiles: [ceil(N/16), K/32, ", tile_bytes, "] uint8, as quantized_linear.pack lays them out");
+  TORCH_CHECK(!bias || (bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == at::kFloat),
+              "bias: [N] float32");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const auto* tp = tiles.data_ptr<uint8_t>();
+  const float* bp = bias ? bias->data_ptr<float>() : nullptr;
+  const bool q4 = bits == 4;  // only Q4 needs x's block sums (its min)
+  at::Tensor sums = at::empty({q4 ? M : 0, B}, x.options().dtype(at::kFloat));
+  float* sp = q4 ? sums.data_ptr<float>() : nullptr;
+  const auto* x_bf16 = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
+  auto* y_bf16 = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (bf16) {
+    static constexpr auto Q4_PAIRS = pair_rows_table<Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+    static constexpr auto Q8_PAIRS = pair_rows_table<Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+    if (q4) prepare(x_bf16, M, K, nullptr, sp);
+    run_tiles(q4 ? Q4_PAIRS : Q8_PAIRS, reinterpret_cast<const uint32_t*>(x_bf16), K / 2, M, K, sp, tp, tile_bytes, bp,
+              y_bf16, N);
+    return y;
+  }
+#endif
+  at::Tensor xf = x;
+  if (bf16) {
+    xf = at::empty({M, K}, x.options().dtype(at::kFloat));
+    prepare(x_bf16, M, K, xf.data_ptr<float>(), sp);
+  } else if (q4) {
+    prepare(x.data_ptr<float>(), M, K, nullptr, sp);
+  }
+  static constexpr auto Q4_ROWS = float_rows_table<Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+  static constexpr auto Q8_ROWS = float_rows_table<Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+  const auto& rows = q4 ? Q4_ROWS : Q8_ROWS;
+  const float* xp = xf.data_ptr<float>();
+  if (bf16) run_tiles(rows, xp, K, M, K, sp, tp, tile_bytes, bp, y_bf16, N);
+  else run_tiles(rows, xp, K, M, K, sp, tp, tile_bytes, bp, y.data_ptr<float>(), N);
+  return y;
+}
+
+}  // namespace
+
+#if defined(KVLOOM_VARIANT)  // a build for an instruction set below the host's: its ops' names end in _<variant>
+#define KVLOOM_STRING(x) #x
+#define KVLOOM_SUFFIX(x) KVLOOM_STRING(x)
+#define OP(name) name KVLOOM_SUFFIX(KVLOOM_VARIANT)
+#else
+#define OP(name) name
+#endif
+
+TORCH_LIBRARY_FRAGMENT(kvloom, m) {
+  m.def(OP("quant_linear") "(Tensor x, Tensor tiles, int bits, int N, Tensor? bias) -> Tensor", &quant_linear);
+  m.def(OP("quant_linear_path") "(int bits, ScalarType dtype) -> str", &quant_linear_path);
+}

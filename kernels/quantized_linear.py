@@ -1,0 +1,127 @@
+"""Linear layers whose weights stay GGUF-quantized (Q4_1, Q4_0, Q8_0): run as the file stores them, not inflated.
+
+At low batch a decode step is a read of every weight, so the bytes read set its time: Q4_1 holds a weight in 0.625
+bytes and Q8_0 in 1.0625, against bfloat16's 2. The blocks (32 weights along the input, a float16 scale d, Q4_1 a
+float16 min m too) are packed once at load (`pack`) into tiles of 16 outputs by one block, which kvloom's kernel
+(cpu_quant_gemm.cpp) reads once per call, dequantizing in registers: activations float32 or bfloat16, sums float32.
+The tile layout and its math are described there. Where that kernel cannot be built (no compiler) or off the CPU,
+the weight is dequantized once (`dequantize`, also the tests' reference) and runs dense, as `PackedLinear` does.
+"""
+
+import enum
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvloom.kernels.cpu_extensions import build_extension
+from kvloom.kernels.packed_linear import Layout
+
+TILE_OUTPUTS = 16  # outputs per packed tile (cpu_quant_gemm.cpp's TILE_N)
+
+
+class QuantType(enum.IntEnum):
+    """The GGUF block types kvloom runs as stored (values: GGML's type ids, as the gguf package's)."""
+
+    Q4_0 = 2  # d f16, 16 bytes of nibbles: w = d * (q - 8)
+    Q4_1 = 3  # d f16, m f16, 16 bytes of nibbles: w = d * q + m
+    Q8_0 = 8  # d f16, 32 int8: w = d * q
+
+    @property
+    def block_bytes(self) -> int:
+        return {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q8_0: 34}[self]
+
+    @property
+    def bits(self) -> int:
+        return 8 if self is QuantType.Q8_0 else 4
+
+
+def quant_kernel(variant: str | None = None):
+    """`torch.ops.kvloom` with the quantized GEMM built for this CPU, or for an ISA variant (cpu_extensions); None
+    where it cannot be built."""
+    return build_extension("kvloom_cpu_quant", variant)
+
+
+def fields(blocks: torch.Tensor, qtype: QuantType) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """GGUF blocks [N, K/32 * block bytes] (uint8, as the file stores a tensor's rows) -> d [N, K/32] float16, m
+    (Q4_1; Q4_0's is -8d; None for Q8_0) and q [N, K/32, 32] (nibbles 0..15 as uint8, or int8), q in input order."""
+    n = blocks.shape[0]
+    raw = blocks.contiguous().view(n, -1, qtype.block_bytes)
+    d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
+    if qtype is QuantType.Q8_0:
+        return d, None, raw[..., 2:].contiguous().view(torch.int8)
+    m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0] if qtype is QuantType.Q4_1 else None
+    nibbles = raw[..., 4:] if qtype is QuantType.Q4_1 else raw[..., 2:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # byte i: weight i (low nibble), weight i + 16 (high)
+    if m is None:
+        m = d.float().mul(-8).to(torch.float16)  # exact: a power of two, unless it overflows
+        if not torch.isfinite(m).all():
+            raise ValueError("a Q4_0 scale too large for a float16 min (|d| > 8188)")
+    return d, m, q
+
+
+def dequantize(blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """GGUF blocks [N, K/32 * block bytes] -> the weight [N, K] in `dtype`, in plain torch (the reference)."""
+    d, m, q = fields(blocks, qtype)
+    weight = d.to(dtype)[..., None] * q.to(dtype)
+    if m is not None:
+        weight = weight + m.to(dtype)[..., None]
+    return weight.reshape(blocks.shape[0], -1)
+
+
+def pack(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """GGUF blocks [N, K/32 * block bytes] -> tiles [ceil(N/16), K/32, 320 (Q4_1, Q4_0) or 544 (Q8_0)] uint8,
+    cpu_quant_gemm.cpp's layout; N padded with zero weights."""
+    d, m, q = fields(blocks, qtype)
+    pad = -d.shape[0] % TILE_OUTPUTS
+
+    def tiled(t: torch.Tensor) -> torch.Tensor:  # [N, B, ...] -> [T, 16 outputs, B, ...], zero outputs padding N
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+        return t.view(-1, TILE_OUTPUTS, *t.shape[1:])
+
+    def scale_bytes(scale: torch.Tensor) -> torch.Tensor:  # [N, B] float16 -> [T, B, 32] (16 outputs' scales)
+        return tiled(scale).transpose(1, 2).contiguous().view(torch.uint8)
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, j, B, 2c+e] -> [T, B, 32c + 2j + e]: chunk c, byte 2j+e
+        return t.unflatten(-1, (-1, 2)).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).flatten(2)
+
+    q = tiled(q)  # [T, 16 outputs j, B, 32 inputs]
+    if qtype is QuantType.Q8_0:  # 16 chunks p: byte 2j+e = output j's input 2p+e
+        return torch.cat([scale_bytes(d), chunks(q)], dim=-1)
+    # 8 chunks c: byte 2j+e = output j's input 2c+e (low nibble) | input 2c+16+e (high nibble)
+    return torch.cat([scale_bytes(d), scale_bytes(m), chunks(q[..., :16] | q[..., 16:] << 4)], dim=-1)
+
+
+@dataclass(frozen=True)
+class QuantizedLinear:
+    """y = x @ W.T + bias for 2-D x (float32 or bfloat16), W given as GGUF blocks: kvloom's kernel on its packed
+    tiles, or dense where that kernel is unavailable. Used as a `PackedLinear` is."""
+
+    weight: torch.Tensor  # tiles (uint8, Layout.QUANTIZED), or the dequantized weight (Layout.DENSE)
+    bias: torch.Tensor | None  # float32 for QUANTIZED
+    qtype: QuantType
+    layout: Layout
+    out_features: int
+    variant: str | None = None  # the kernel build that runs it: this CPU's own, or an ISA variant (tests)
+
+    @property
+    def packed(self) -> bool:
+        """The weight is a copy in a kernel's own layout (the loaded one can be released)."""
+        return self.layout is Layout.QUANTIZED
+
+    @classmethod
+    def pack(cls, blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype, bias: torch.Tensor | None = None,
+             variant: str | None = None) -> "QuantizedLinear":
+        """From a tensor's GGUF blocks [N, K/32 * block bytes], for activations of `dtype`: packed tiles where
+        kvloom's kernel runs on this device, else the weight dequantized to `dtype` (done once here)."""
+        if blocks.device.type != "cpu" or quant_kernel(variant) is None:
+            bias = None if bias is None else bias.detach().to(dtype)
+            return cls(dequantize(blocks, qtype, dtype), bias, qtype, Layout.DENSE, blocks.shape[0])
+        bias = None if bias is None else bias.detach().float().contiguous()
+        return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout is Layout.DENSE:
+            return F.linear(x, self.weight, self.bias)
+        op = getattr(torch.ops.kvloom, f"quant_linear_{self.variant}" if self.variant else "quant_linear")
+        return op(x.contiguous(), self.weight, self.qtype.bits, self.out_features, self.bias)
