@@ -123,6 +123,20 @@ def kernel_threads():
     use(saved_pool or saved_torch, bool(saved_pool))
 
 
+@pytest.fixture
+def same_on_any_thread_count(kernel_threads):
+    """`check(fn)`: whether `fn()` gives the same bits on 1, 2 and 3 threads of torch's team and of kvloom's item
+    pool (a kernel's work items go to whichever thread asks first; each output must still be one thread's sum)."""
+    def check(fn) -> bool:
+        results = []
+        for pool in (False, True):
+            for threads in (1, 2, 3):
+                kernel_threads(threads, pool)
+                results.append(fn())
+        return all(torch.equal(results[0], r) for r in results[1:])
+    return check
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     from kvloom.engine.model.model_files import resolve_model_dir

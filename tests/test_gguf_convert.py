@@ -20,6 +20,8 @@ def test_a_converted_gguf_equals_what_transformers_loads_from_it(tmp_path, arch)
     originals = write_tiny_gguf(gguf, arch)
     convert_gguf(gguf, tmp_path / "converted")
     ours = load_file(tmp_path / "converted" / "model.safetensors")
+    # the only *.safetensors file: vLLM and others load every one as weights (the blocks file has its own name)
+    assert [p.name for p in (tmp_path / "converted").glob("*.safetensors")] == ["model.safetensors"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.float32)
     theirs = model.state_dict()
     assert ours.keys() == theirs.keys()

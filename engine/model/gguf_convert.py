@@ -5,9 +5,10 @@ weights), element by element, and builds a tensor-name map per tensor: about a m
 a 2-core host against a few seconds here (docs/performance.md). The output is the same: bit-identical
 weights, the same config and tokenizer files (tests/test_gguf_convert.py compares them).
 
-Beside them, quantized.safetensors keeps the linears whose block types kvloom runs as stored (Q4_0, Q4_1, Q8_0:
-kernels/quantized_linear.py) as the file stores them, one uint8 row of blocks per output, and names every 2-D
-weight's GGUF type in its metadata, for `quantization: gguf` (engine/model/quantized_weights.py).
+Beside them, gguf-blocks.kvloom (a safetensors file under a name of its own: vLLM and others load every
+*.safetensors file of a model directory as weights) keeps the linears whose block types kvloom runs as stored (Q4_0,
+Q4_1, Q8_0: kernels/quantized_linear.py) as the file stores them, one uint8 row of blocks per output, and names
+every 2-D weight's GGUF type in its metadata, for `quantization: gguf` (engine/model/quantized_weights.py).
 """
 
 import json
@@ -45,7 +46,7 @@ LAYER_TENSORS = {
 }
 # llama.cpp interleaves the rotary halves of q and k rows for these architectures; undone on the way back
 PERMUTED_ARCHITECTURES = {"llama", "mistral"}
-QUANTIZED_FILE = "quantized.safetensors"
+QUANTIZED_FILE = "gguf-blocks.kvloom"  # safetensors inside (see above)
 RUN_AS_STORED = {"Q4_0", "Q4_1", "Q8_0"}  # GGUF block types kvloom's quantized GEMM runs
 
 
@@ -111,7 +112,7 @@ def hf_tensors(tensors, config: dict) -> dict:
 
 
 def write_quantized(gguf: Path, target: Path) -> None:
-    """`target`'s quantized.safetensors from the GGUF file (written whole or not at all)."""
+    """`target`'s QUANTIZED_FILE from the GGUF file (written whole or not at all)."""
     import torch
     from safetensors.torch import save_file
 

@@ -1,4 +1,4 @@
-"""A GGUF model's linears as the file stores them (`quantization: gguf`): the quantized.safetensors that conversion
+"""A GGUF model's linears as the file stores them (`quantization: gguf`): the blocks file that conversion
 writes beside the de-quantized weights (engine/model/gguf_convert.py), read where the decoder packs a linear.
 
 A linear whose GGUF type kvloom's quantized GEMM does not run (K-quants, F16) is packed from the de-quantized
