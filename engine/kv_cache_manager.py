@@ -7,6 +7,7 @@ the pool goes on in the tiers: the blocks found there are read into fresh pool b
 (tier_io.py) while the request waits, then registered, so they are cached blocks like any other from then on.
 """
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from kvloom.engine.block_pool import BlockPool, KVBlock, hash_block
@@ -56,7 +57,8 @@ class KVCacheManager:
             hits.append(block)
         return hits
 
-    def _prompt_blocks(self, request: Request, parent: int | None, start: int = 0):
+    def _prompt_blocks(self, request: Request, parent: int | None, start: int = 0
+                       ) -> Iterator[tuple[int, tuple[int, ...]]]:
         """(hash, tokens) of the request's full blocks from block `start` on, but for the last token's block;
         `parent` is block start - 1's hash."""
         tokens = request.token_ids
@@ -71,10 +73,14 @@ class KVCacheManager:
         if self.tier_io is None or not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
             return []
         parent = hits[-1].block_hash if hits else request.hash_root
-        missed = list(self._prompt_blocks(request, parent, len(hits)))
-        if missed and missed[0][0] in self.tier_io.reading:
-            return None
-        return missed[: self.tiers.held_run(missed)]
+        run = []
+        for block_hash, chunk in self._prompt_blocks(request, parent, len(hits)):  # hashed only as far as held
+            if not run and block_hash in self.tier_io.reading:
+                return None
+            if not self.tiers.holds(block_hash):
+                break
+            run.append((block_hash, chunk))
+        return run
 
     def begin_tier_load(self, request: Request, run: list[tuple[int, tuple[int, ...]]]) -> None:
         """Read `run` (after the request's cached blocks) into the blocks `allocate_slots` gave it for them."""

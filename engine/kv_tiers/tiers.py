@@ -87,14 +87,9 @@ class KVTiers:
     def payload_bytes(self) -> int:
         return torch.Size(self.block_shape).numel() * self.kv_dtype.itemsize
 
-    def held_run(self, wanted: list[tuple[int, tuple[int, ...]]]) -> int:
-        """How many leading blocks of `wanted` (hash, tokens) some tier has a file for (checked when read)."""
-        count = 0
-        for block_hash, _ in wanted:
-            if not any(store.contains(block_hash) for store in self.stores.values()):
-                break
-            count += 1
-        return count
+    def holds(self, block_hash: int) -> bool:
+        """Whether some tier has a file for the block (checked when read)."""
+        return any(store.contains(block_hash) for store in self.stores.values())
 
     def new_blocks(self, blocks: list[tuple[int, int, tuple[int, ...]]]) -> list[tuple[int, int, tuple[int, ...]]]:
         """Of newly computed full blocks (block id, hash, tokens), those the first tier lacks."""
