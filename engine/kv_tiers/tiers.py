@@ -61,6 +61,7 @@ class KVTiers:
     stats: dict[str, TierStats] = field(default_factory=dict)
     restore_s: float = 0.0  # copying loaded blocks into the pool
     _staging: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.uint8))
+    _stream: "torch.cuda.Stream | None" = None  # the worker's copy stream on CUDA
 
     def __post_init__(self) -> None:
         self.stats = {name: TierStats() for name in self.stores}
@@ -149,10 +150,11 @@ class KVTiers:
         if self.device.type != "cuda":
             yield
             return
-        stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
+        if self._stream is None:  # made once: the worker is the only thread that uses it
+            self._stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._stream):
             yield
-        stream.synchronize()
+        self._stream.synchronize()
 
     def as_dict(self) -> dict:
         return {"restore_s": self.restore_s, **{name: vars(stats) | {"used_bytes": self.stores[name].used_bytes()}
