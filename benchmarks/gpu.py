@@ -191,6 +191,31 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def profile_batch_1(config: ModelConfig, device: torch.device, dtype: torch.dtype, context: int, out: Path) -> None:
+    """Where a batch-1 decode step's device time goes, eager and replayed: the top kernels of ten steps each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvloom.engine.model.decoder import FusedDecoder
+    from kvloom.engine.request import Request
+    from kvloom.engine.runner import ModelRunner
+    from kvloom.engine.sampling import SamplingParams
+    from kvloom.kernels.backends import select_backend
+
+    per_request = -(-(context + 1) // 16)
+    runner = ModelRunner(FusedDecoder(config, RandomCheckpoint(config, dtype, device)), config,
+                         select_backend("auto", device), per_request, 16, dtype, device)
+    request = Request("p", [1] * (context + 1), SamplingParams(max_tokens=1, temperature=0))
+    request.num_computed_tokens, request.block_ids = context, list(range(per_request))
+    tables = []
+    for mode in ("eager", "graph"):
+        runner.graphs = runner.capture_graphs(1, per_request) if mode == "graph" else None
+        timed(lambda: runner.execute([(request, 1)]), device, 3)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            timed(lambda: runner.execute([(request, 1)]), device, 10, warmups=0)
+        tables.append(f"## {mode}, ten steps\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    (out / "profile.txt").write_text("\n\n".join(tables))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -200,34 +225,45 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a CPU smoke run")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), torch.bfloat16
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = {"device": device_name(device), "commit": source_commit(), "torch": torch.__version__,
+              "dtype": str(dtype), "args": " ".join(argv if argv is not None else sys.argv[1:]), "decode": [],
+              "w1": None}
+    stem, started = report["device"].replace(" ", "-").lower(), time.perf_counter()
+
+    def write(section: str) -> None:
+        """The report so far: a run cut off by its time limit keeps every section it finished."""
+        (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
+        (args.out / f"{stem}.md").write_text(markdown(report))
+        print(f"[{time.perf_counter() - started:6.1f}s] {section} done", flush=True)
+
     ceilings = measure_ceilings(device, dtype, args.quick)
+    report["ceilings"] = asdict(ceilings)
+    write("ceilings")
     batches, repeats = ([1, 4] if args.quick else LADDER), (3 if args.quick else 20)
     with tempfile.TemporaryDirectory() as scratch:
         shapes = {"8B Llama shape": write_config(Path(scratch) / "8b", LLAMA_8B)}
         if args.model_dir:
             shapes = {"SmolLM2 shape": args.model_dir, **shapes}
-        decode = []
         for name, folder in shapes.items():
             config = ModelConfig.from_dir(folder)
             if args.quick:
                 config = ModelConfig.from_dir(write_config(Path(scratch) / "quick", {
                     **config.raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}))
-            decode += decode_steps(name, config, device, dtype, batches, 32 if args.quick else args.context,
-                                   ceilings, repeats)
+            context = 32 if args.quick else args.context
+            report["decode"] += [asdict(s) for s in decode_steps(name, config, device, dtype, batches, context,
+                                                                 ceilings, repeats)]
             release(device)
-    w1 = None
+            write(f"decode steps, {name}")
+            if name == "SmolLM2 shape" and device.type == "cuda":
+                profile_batch_1(config, device, dtype, context, args.out)
+                release(device)
+                write("profile of batch-1 steps")
     if args.model_dir:  # --quick: float32 alone (the same code path)
-        w1 = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None,
-                    ("float32",) if args.quick else ("float32", "bfloat16"))
-    report = {"device": device_name(device), "commit": source_commit(), "torch": torch.__version__,
-              "dtype": str(dtype),
-              "args": " ".join(argv if argv is not None else sys.argv[1:]), "ceilings": asdict(ceilings),
-              "decode": [asdict(s) for s in decode], "w1": w1}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = report["device"].replace(" ", "-").lower()
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (args.out / f"{stem}.md").write_text(markdown(report))
+        report["w1"] = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None,
+                              ("float32",) if args.quick else ("float32", "bfloat16"))
+        write("W1 and greedy parity")
     print(markdown(report))
     return report
 

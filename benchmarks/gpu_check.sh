@@ -17,7 +17,7 @@ echo "start $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null 
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
 # the repository root is the package `kvloom`, whatever this copy's folder is called
 mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/kvloom
-export PYTHONPATH=/tmp/site:/tmp/pkg
+export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1
 
 phase() {  # phase NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log its exit and time
   local name=$1 limit=$2 start=$SECONDS
@@ -32,7 +32,7 @@ phase install 30 python3 -m pip install -q --no-index --no-deps --no-compile --n
   --target /tmp/site .whl/*.whl || { echo "the carried wheels did not install"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 phase build 60 python3 -m kvloom.kernels.cpu_extensions
-phase tests 110 python3 -m pytest -q tests/gpu tests/test_triton_kernels.py tests/test_triton_lora.py --timeout 60 \
+phase tests 110 python3 -m pytest -v --durations=10 tests/gpu tests/test_triton_kernels.py tests/test_triton_lora.py --timeout 60 \
   > "$OUT/tests.log" 2>&1
 echo "tests: $(grep -E 'passed|failed' "$OUT/tests.log" | tail -1)"
 phase benchmark 150 python3 -m kvloom.benchmarks.gpu --model-dir .gpu_assets/smollm2 --out "$OUT"
