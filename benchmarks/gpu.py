@@ -15,6 +15,7 @@ CPU (the suite runs it that way); its figures say nothing about a GPU.
 import argparse
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -36,8 +37,14 @@ W1_PARITY_PROMPTS, W1_PARITY_TOKENS = 12, 64
 
 @dataclass
 class Ceilings:
-    copy_gb_s: float  # bytes read plus bytes written, per second
+    copy_gb_s: float  # a device-to-device copy: bytes read plus bytes written, per second (memory traffic)
+    read_gb_s: float  # a reduction over the same bytes: bytes read per second
     matmul_tflop_s: float  # the device's GEMM rate in the model's dtype
+
+    @property
+    def memory_gb_s(self) -> float:
+        """The traffic a step's reads can reach: the better of the two measured."""
+        return max(self.copy_gb_s, self.read_gb_s)
 
 
 @dataclass
@@ -48,6 +55,7 @@ class DecodeStep:
     context: int
     step_ms: float  # median of the timed steps
     floor_ms: float  # the roofline floor of the same step
+    read_gb: float  # the bytes the step must read (weights, the LM head, every request's KV), in GB
     bound: str  # what sets the floor: "memory" or "compute"
 
 
@@ -78,20 +86,27 @@ def measure_ceilings(device: torch.device, dtype: torch.dtype, quick: bool) -> C
     source = torch.empty(1 << (22 if quick else 32), dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
     copy_s = min(timed(lambda: target.copy_(source), device, 10))
+    words = source.view(torch.int32)
+    read_s = min(timed(lambda: words.sum(dtype=torch.int64), device, 10))
+    del target
     n = 256 if quick else 8192
     a, b = torch.randn(n, n, device=device).to(dtype), torch.randn(n, n, device=device).to(dtype)
     gemm_s = min(timed(lambda: a @ b, device, 10))
-    return Ceilings(2 * source.numel() / copy_s / 1e9, 2 * n**3 / gemm_s / 1e12)
+    return Ceilings(2 * source.numel() / copy_s / 1e9, source.numel() / read_s / 1e9, 2 * n**3 / gemm_s / 1e12)
+
+
+def decode_read_bytes(config: ModelConfig, batch: int, context: int, dtype: torch.dtype) -> int:
+    """What one decode step must read: every linear weight and the LM head once, each request's KV once."""
+    shape = ModelShape.of(config)
+    return ((shape.linear_params + shape.hidden * shape.vocab) * dtype.itemsize
+            + batch * context * config.kv_bytes_per_token(dtype))
 
 
 def decode_floor_s(config: ModelConfig, batch: int, context: int, dtype: torch.dtype, ceilings: Ceilings):
-    """(seconds, bound) of one decode step: every weight read once, each request's KV read once."""
-    shape = ModelShape.of(config)
-    weight_bytes = (shape.linear_params + shape.hidden * shape.vocab) * dtype.itemsize  # the LM head's too
-    kv_bytes = batch * context * config.kv_bytes_per_token(dtype)
-    flops = shape.decode_step_flops(batch, batch * context)
-    memory_s = (weight_bytes + kv_bytes) / (ceilings.copy_gb_s * 1e9 / 2)  # the copy figure counts bytes twice
-    compute_s = flops / (ceilings.matmul_tflop_s * 1e12)
+    """(seconds, bound) of one decode step: its reads at the measured memory traffic, or its FLOPs at the GEMM
+    rate, whichever is slower."""
+    memory_s = decode_read_bytes(config, batch, context, dtype) / (ceilings.memory_gb_s * 1e9)
+    compute_s = ModelShape.of(config).decode_step_flops(batch, batch * context) / (ceilings.matmul_tflop_s * 1e12)
     return (memory_s, "memory") if memory_s >= compute_s else (compute_s, "compute")
 
 
@@ -121,8 +136,56 @@ def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: to
         for mode in ([None, graphs] if graphs else [None]):
             runner.graphs = mode
             step_s = statistics.median(timed(lambda: runner.execute([(r, 1) for r in requests]), device, repeats))
-            results.append(DecodeStep(name, mode is not None, batch, context, step_s * 1e3, floor_s * 1e3, bound))
+            results.append(DecodeStep(name, mode is not None, batch, context, step_s * 1e3, floor_s * 1e3,
+                                      decode_read_bytes(config, batch, context, dtype) / 1e9, bound))
     return results
+
+
+# one of each linear of the 8B Llama shape, (outputs, inputs); a decode step reads 32 layers of the first four
+LLAMA_8B_LINEARS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+                    "lm_head": (128256, 4096)}
+QUANT_ROWS = [1, 8, 32]
+# (block_n, block_k, warps, stages) tried at one row against launch_shape's default
+QUANT_SWEEP = [(32, 256, 4, 3), (64, 256, 4, 4), (128, 128, 8, 3), (32, 128, 2, 4)]
+
+
+def quantized_linears(device: torch.device, ceilings: Ceilings, quick: bool) -> dict:
+    """The Triton quantized GEMM (GGUF Q4_1 and Q8_0 blocks, bfloat16 activations) against a bfloat16 GEMM of the
+    same shape, per linear of the 8B shape and row count, each timed alone (triton's do_bench: device events, the
+    L2 flushed before each call); and at one row, a sweep of launch tiles."""
+    import torch.nn.functional as F
+    import triton
+
+    from kvloom.benchmarks.random_weights import random_gguf_blocks
+    from kvloom.kernels.quantized_linear import QuantType
+    from kvloom.kernels.triton_quant_gemm import TritonQuantWeight, launch_shape, multiprocessors, quant_matmul
+
+    def bench(fn) -> float:  # ms
+        if device.type != "cuda":
+            return statistics.median(timed(fn, device, 3)) * 1e3
+        return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+    linears = {"small": (72, 96)} if quick else LLAMA_8B_LINEARS
+    generator, results, sweep = torch.Generator().manual_seed(0), [], []
+    for name, (n, k) in linears.items():
+        dense = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        for qtype in (QuantType.Q4_1, QuantType.Q8_0):
+            weight = TritonQuantWeight.of(random_gguf_blocks(n, k, qtype, generator), qtype, device)
+            for rows in ([1] if quick else QUANT_ROWS):
+                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+                quant_ms, dense_ms = bench(lambda: quant_matmul(x, weight)), bench(lambda: F.linear(x, dense))
+                results.append({"linear": name, "qtype": qtype.name, "rows": rows, "quant_ms": quant_ms,
+                                "bf16_ms": dense_ms, "quant_gb": weight.nbytes / 1e9,
+                                "bf16_gb": dense.numel() * 2 / 1e9})
+            x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+            for config in ([] if quick else QUANT_SWEEP):
+                shape = launch_shape(1, n, k, multiprocessors(device), *config)
+                sweep.append({"linear": name, "qtype": qtype.name, "config": list(config), "split": shape.split,
+                              "ms": bench(lambda: quant_matmul(x, weight, shape=shape))})
+            del weight
+        del dense
+        release(device)
+    return {"gemms": results, "sweep": sweep}
 
 
 def run_w1(model_dir: Path, device: torch.device, num_requests: int | None, dtypes: tuple[str, ...]) -> dict:
@@ -171,12 +234,29 @@ def markdown(report: dict) -> str:
              f"Commit {report['commit']}, torch {report['torch']}, `python -m kvloom.benchmarks.gpu "
              f"{report['args']}`.", "",
              f"Ceilings measured in this run: copy {c['copy_gb_s']:.0f} GB/s (read + written), "
-             f"GEMM {c['matmul_tflop_s']:.1f} TFLOP/s ({report['dtype']}).", "",
-             "| model | step | batch | context | step ms | roofline floor ms | step / floor | bound |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"read {c['read_gb_s']:.0f} GB/s (a reduction), GEMM {c['matmul_tflop_s']:.1f} TFLOP/s "
+             f"({report['dtype']}).", "",
+             "| model | step | batch | context | step ms | roofline floor ms | step / floor | bound | read GB/s "
+             "| of copy traffic |", "|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["decode"]:
+        read_gb_s = s["read_gb"] / (s["step_ms"] / 1e3)
         lines.append(f"| {s['model']} | {'graph' if s['graphs'] else 'eager'} | {s['batch']} | {s['context']} | "
-                     f"{s['step_ms']:.3f} | {s['floor_ms']:.3f} | {s['step_ms'] / s['floor_ms']:.2f}x | {s['bound']} |")
+                     f"{s['step_ms']:.3f} | {s['floor_ms']:.3f} | {s['step_ms'] / s['floor_ms']:.2f}x | {s['bound']} "
+                     f"| {read_gb_s:.0f} | {read_gb_s / c['copy_gb_s']:.0%} |")
+    if report.get("quantized"):
+        lines += ["", "Quantized linears (Triton, GGUF blocks, bfloat16 activations) against bfloat16 GEMMs of the 8B "
+                      "shape, each alone (do_bench: events, L2 flushed):", "",
+                  "| linear | type | rows | quantized ms | bf16 ms | speed-up | quantized GB/s | of copy traffic |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for g in report["quantized"]["gemms"]:
+            gb_s = g["quant_gb"] / (g["quant_ms"] / 1e3)
+            lines.append(f"| {g['linear']} | {g['qtype']} | {g['rows']} | {g['quant_ms']:.4f} | {g['bf16_ms']:.4f} | "
+                         f"{g['bf16_ms'] / g['quant_ms']:.2f}x | {gb_s:.0f} | {gb_s / c['copy_gb_s']:.0%} |")
+        if report["quantized"]["sweep"]:
+            lines += ["", "One row, launch tiles swept (block_n, block_k, warps, stages):", "",
+                      "| linear | type | tiles | split | ms |", "|---|---|---|---|---|"]
+            lines += [f"| {w['linear']} | {w['qtype']} | {tuple(w['config'])} | {w['split']} | {w['ms']:.4f} |"
+                      for w in report["quantized"]["sweep"]]
     if report.get("w1"):
         w1 = report["w1"]
         lines += ["", "W1 offline (random weights of SmolLM2's shape, its tokenizer):", "",
@@ -213,7 +293,7 @@ def profile_batch_1(config: ModelConfig, device: torch.device, dtype: torch.dtyp
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             timed(lambda: runner.execute([(request, 1)]), device, 10, warmups=0)
         tables.append(f"## {mode}, ten steps\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
-    (out / "profile.txt").write_text("\n\n".join(tables))
+    out.write_text("\n\n".join(tables))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -228,7 +308,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
     report = {"device": device_name(device), "commit": source_commit(), "torch": torch.__version__,
               "dtype": str(dtype), "args": " ".join(argv if argv is not None else sys.argv[1:]), "decode": [],
-              "w1": None}
+              "quantized": None, "w1": None}
     stem, started = report["device"].replace(" ", "-").lower(), time.perf_counter()
 
     def write(section: str) -> None:
@@ -256,10 +336,13 @@ def main(argv: list[str] | None = None) -> dict:
                                                                  ceilings, repeats)]
             release(device)
             write(f"decode steps, {name}")
-            if name == "SmolLM2 shape" and device.type == "cuda":
-                profile_batch_1(config, device, dtype, context, args.out)
+            if device.type == "cuda":
+                profile_batch_1(config, device, dtype, context, args.out / f"profile-{name.split()[0].lower()}.txt")
                 release(device)
                 write("profile of batch-1 steps")
+    if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # Triton runs on CPU interpreted only
+        report["quantized"] = quantized_linears(device, ceilings, args.quick)
+        write("quantized linears")
     if args.model_dir:  # --quick: float32 alone (the same code path)
         report["w1"] = run_w1(fill_missing_weights(args.model_dir), device, 8 if args.quick else None,
                               ("float32",) if args.quick else ("float32", "bfloat16"))

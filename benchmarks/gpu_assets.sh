@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .whl .gpu_assets && mkdir -p .whl .gpu_assets/smollm2
 for name in pydantic pydantic_core annotated-types typing-inspection typing_extensions xgrammar apache-tvm-ffi \
-            jsonschema jsonschema-specifications referencing rpds-py \
+            jsonschema jsonschema-specifications referencing rpds-py gguf \
             pytest-asyncio; do
   pin=$(grep -iE "^${name//[-_]/[-_]}==" constraints.txt)
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The prepared device check (issues 51, 74) for one GPU machine, with the image's own python3, in phases each
+# The prepared device check (issues 51, 74, 72) for one GPU machine, with the image's own python3, in phases each
 # bounded and logged on its own, their limits adding up to under 6 minutes (a rerun fits 15 minutes of device
 # time): the carried wheels installed; kvloom's C++ CPU kernels built (the CPU engine is the reference the CUDA
 # tests compare with: building them inside a test's timeout was how the old check ran out of time); the CUDA
-# tests (tests/gpu, the Triton kernels and the LoRA path compiled for the device); `python -m
+# tests (tests/gpu, the Triton attention, LoRA and quantized GEMM kernels compiled for the device); `python -m
 # kvloom.benchmarks.gpu`.
-# Everything lands in $OUT: check.log, nvidia-smi.txt, tests.log, the report (<device>.md and .json).
+# Everything lands in $OUT: check.log, nvidia-smi.txt, tests.log, the report (<device>.md and .json), profile-*.txt.
 # Prepare here first: bash benchmarks/gpu_assets.sh; then run through the device tool from the repository root
 # with carry [".whl", ".gpu_assets"].
 set -uo pipefail
@@ -28,12 +28,12 @@ phase() {  # phase NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log
   return $status
 }
 
-phase install 30 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+phase install 20 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || { echo "the carried wheels did not install"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-phase build 60 python3 -m kvloom.kernels.cpu_extensions
-phase tests 110 python3 -m pytest -v --durations=10 tests/gpu tests/test_triton_kernels.py tests/test_triton_lora.py --timeout 60 \
+phase build 40 python3 -m kvloom.kernels.cpu_extensions
+phase tests 130 python3 -m pytest -v --durations=10 tests/gpu tests/test_triton_kernels.py tests/test_triton_lora.py tests/test_triton_quant_gemm.py --timeout 60 \
   > "$OUT/tests.log" 2>&1
 echo "tests: $(grep -E 'passed|failed' "$OUT/tests.log" | tail -1)"
-phase benchmark 150 python3 -m kvloom.benchmarks.gpu --model-dir .gpu_assets/smollm2 --out "$OUT"
+phase benchmark 165 python3 -m kvloom.benchmarks.gpu --model-dir .gpu_assets/smollm2 --out "$OUT"
 echo "end $(date -u +%FT%TZ)"

@@ -9,6 +9,7 @@ import torch
 
 from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.model.model_config import ModelConfig
+from kvloom.kernels.quantized_linear import QuantType
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
@@ -104,3 +105,15 @@ def write_random_adapter(path: Path, config: ModelConfig, rank: int, seed: int =
                 "base_model_name_or_path": str(config.model_dir)}
     (path / CONFIG_FILE).write_text(json.dumps(settings, indent=2))
     return path
+
+
+def random_gguf_blocks(outputs: int, inputs: int, qtype: QuantType, generator: torch.Generator) -> torch.Tensor:
+    """A weight [outputs, inputs] as GGUF blocks [outputs, inputs/32 * block bytes] uint8: random quants, scales
+    (and Q4_1 mins) about 0.01. Any bytes with finite scales are a valid block, so no quantizer is needed."""
+    blocks = inputs // 32
+    scale = lambda: ((torch.rand(outputs, blocks, 1, generator=generator) + 0.1) * 0.01  # noqa: E731
+                     ).half().view(torch.uint8)
+    quants = torch.randint(0, 256, (outputs, blocks, 32 if qtype is QuantType.Q8_0 else 16), generator=generator,
+                           dtype=torch.uint8)
+    header = [scale(), (-scale().view(torch.float16)).view(torch.uint8)] if qtype is QuantType.Q4_1 else [scale()]
+    return torch.cat([*header, quants], dim=-1).reshape(outputs, -1)

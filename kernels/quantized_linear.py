@@ -10,12 +10,16 @@ the weight is dequantized once (`dequantize`, also the tests' reference) and run
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from kvloom.kernels.cpu_extensions import build_extension
 from kvloom.kernels.packed_linear import Layout
+
+if TYPE_CHECKING:
+    from kvloom.kernels.triton_quant_gemm import TritonQuantWeight
 
 TILE_OUTPUTS = 16  # outputs per packed tile (cpu_quant_gemm.cpp's TILE_N)
 
@@ -97,7 +101,7 @@ class QuantizedLinear:
     """y = x @ W.T + bias for 2-D x (float32 or bfloat16), W given as GGUF blocks: kvloom's kernel on its packed
     tiles, or dense where that kernel is unavailable. Used as a `PackedLinear` is."""
 
-    weight: torch.Tensor  # tiles (uint8, Layout.QUANTIZED), or the dequantized weight (Layout.DENSE)
+    weight: "torch.Tensor | TritonQuantWeight"  # tiles (QUANTIZED), the GGUF fields (TRITON), or dequantized (DENSE)
     bias: torch.Tensor | None  # float32 for QUANTIZED
     qtype: QuantType
     layout: Layout
@@ -107,21 +111,38 @@ class QuantizedLinear:
     @property
     def packed(self) -> bool:
         """The weight is a copy in a kernel's own layout (the loaded one can be released)."""
-        return self.layout is Layout.QUANTIZED
+        return self.layout in (Layout.QUANTIZED, Layout.TRITON_QUANTIZED)
 
     @classmethod
     def pack(cls, blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype, bias: torch.Tensor | None = None,
-             variant: str | None = None) -> "QuantizedLinear":
-        """From a tensor's GGUF blocks [N, K/32 * block bytes], for activations of `dtype`: packed tiles where
-        kvloom's kernel runs on this device, else the weight dequantized to `dtype` (done once here)."""
+             variant: str | None = None, device: torch.device = torch.device("cpu")) -> "QuantizedLinear":
+        """From a tensor's GGUF blocks [N, K/32 * block bytes] on the host, for activations of `dtype` on `device`:
+        on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs, else the
+        weight dequantized to `dtype` (done once here)."""
+        if device.type == "cuda":
+            return cls.for_triton(blocks, qtype, bias, device)
         if blocks.device.type != "cpu" or quant_kernel(variant) is None:
             bias = None if bias is None else bias.detach().to(dtype)
             return cls(dequantize(blocks, qtype, dtype), bias, qtype, Layout.DENSE, blocks.shape[0])
         bias = None if bias is None else bias.detach().float().contiguous()
         return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant)
 
+    @classmethod
+    def for_triton(cls, blocks: torch.Tensor, qtype: QuantType, bias: torch.Tensor | None, device: torch.device
+                   ) -> "QuantizedLinear":
+        """The Triton kernel's layout on `device` (CUDA; the CPU under Triton's interpreter in tests)."""
+        from kvloom.kernels.triton_quant_gemm import TritonQuantWeight
+
+        bias = None if bias is None else bias.detach().float().to(device)
+        return cls(TritonQuantWeight.of(blocks, qtype, device), bias, qtype, Layout.TRITON_QUANTIZED,
+                   blocks.shape[0])
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout is Layout.DENSE:
             return F.linear(x, self.weight, self.bias)
+        if self.layout is Layout.TRITON_QUANTIZED:
+            from kvloom.kernels.triton_quant_gemm import quant_matmul
+
+            return quant_matmul(x, self.weight, self.bias)
         op = getattr(torch.ops.kvloom, f"quant_linear_{self.variant}" if self.variant else "quant_linear")
         return op(x.contiguous(), self.weight, self.qtype.bits, self.out_features, self.bias)

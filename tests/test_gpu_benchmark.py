@@ -45,11 +45,11 @@ def test_a_quick_run_on_cpu_writes_every_section_and_frees_each_engine_before_th
 
 def test_the_roofline_floor_of_a_batch_1_decode_is_reading_the_weights(tmp_path):
     config = ModelConfig.from_dir(gpu.write_config(tmp_path, gpu.LLAMA_8B))
-    ceilings = gpu.Ceilings(copy_gb_s=8000, matmul_tflop_s=800)  # 4 TB/s of reads
+    ceilings = gpu.Ceilings(copy_gb_s=4000, read_gb_s=4200, matmul_tflop_s=800)  # reads at the better of the two
     floor_s, bound = gpu.decode_floor_s(config, 1, 0, torch.bfloat16, ceilings)
     params = sum(math.prod(shape) for name, shape in tensor_shapes(config).items()
                  if "norm" not in name and "embed" not in name)
-    assert bound == "memory" and floor_s == pytest.approx(params * 2 / 4e12, rel=1e-6)
+    assert bound == "memory" and floor_s == pytest.approx(params * 2 / 4.2e12, rel=1e-6)
     assert 7e9 < params < 8.1e9  # an 8B model's linear weights (embedding rows are not read whole)
 
 

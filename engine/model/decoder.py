@@ -95,7 +95,7 @@ class FusedDecoder:
         if not config.tie_word_embeddings:
             self.lm_head = linear(["lm_head"])
         elif tied_blocks is not None:  # the table's own blocks: read as stored, the lookup reads the dense table
-            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype)
+            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device)
         elif self.head_shares_embedding:
             self.lm_head = PackedLinear.share(self.embed)
         else:
@@ -206,7 +206,7 @@ class FusedDecoder:
                 layer.qkv, layer.o_proj, layer.gate_up, layer.down)))]
         if not self.head_shares_embedding:
             tensors.append(self.lm_head.weight)
-        return sum(t.numel() * t.element_size() for t in tensors)  # oneDNN's packed layout: its dense size
+        return sum(t.nbytes for t in tensors)  # oneDNN's packed layout: its dense size
 
 
 def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None
@@ -217,7 +217,8 @@ def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeigh
     biases = [checkpoint.get(f"{p}.bias") if f"{p}.bias" in checkpoint else None for p in prefixes]
     blocks = quantized.blocks([f"{p}.weight" for p in prefixes]) if quantized is not None else None
     if blocks is not None and len({b is None for b in biases}) == 1:
-        return QuantizedLinear.pack(*blocks, checkpoint.dtype, None if biases[0] is None else torch.cat(biases))
+        return QuantizedLinear.pack(*blocks, checkpoint.dtype, None if biases[0] is None else torch.cat(biases),
+                                    device=checkpoint.device)
     weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])

@@ -5,6 +5,7 @@ The CPU engine is the oracle: the same tiny checkpoint, the same prompts, greedy
 """
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ pytestmark = pytest.mark.host("cuda")
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-def prompts(count: int = 12, seed: int = 0) -> list[list[int]]:
+def prompts(count: int = 12, seed: int = 0, vocab: int = 512) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
+    return [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 90))] for _ in range(count)]
 
 
 def token_ids(llm: LLM, batch: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -105,8 +106,8 @@ def test_decode_graphs_replay_what_eager_steps_compute(tiny_model_dir, cpu_greed
     assert token_ids(graphed, prompts()) == token_ids(eager, prompts()) == cpu_greedy
 
 
-def waits_for_the_device(call) -> int:
-    """How many times `call()` waits for the device: torch's sync debug mode warns at each."""
+def waits_for_the_device(call) -> list[str]:
+    """Where `call()` waits for the device (file:line of each wait): torch's sync debug mode warns at each."""
     import warnings
 
     torch.cuda.synchronize()
@@ -117,7 +118,7 @@ def waits_for_the_device(call) -> int:
             call()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
 
 
 def test_sampling_and_verification_wait_for_the_device_once_a_step():
@@ -148,12 +149,15 @@ def test_sampling_and_verification_wait_for_the_device_once_a_step():
         logits[row, token] += 6
     on_cuda = logits.cuda()
     verify(on_cuda, step("cuda"))  # warm: the pinned host allocator, the kernels
-    assert waits_for_the_device(lambda: verify(on_cuda, step("cuda"))) == 1
+    requests = step("cuda")  # the draft's probabilities on the device before the step, as a drafter leaves them
+    waits = waits_for_the_device(lambda: verify(on_cuda, requests))
+    assert len(waits) == 1, waits
     ids = [[t.token_id for t in kept] for kept in verify(on_cuda, step("cuda"))]
     assert ids == [[t.token_id for t in kept] for kept in verify(logits, step("cpu"))]
     plain = [Request("p", [1], SamplingParams(temperature=t, top_p=0.9), draw_seed=seed_words(i))
              for i, t in enumerate([0, 0.8, 1.2])]
-    assert waits_for_the_device(lambda: sample(on_cuda[:3], plain)) == 1
+    waits = waits_for_the_device(lambda: sample(on_cuda[:3], plain))
+    assert len(waits) == 1, waits
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
@@ -191,3 +195,28 @@ def test_kv_tier_blocks_load_into_a_cuda_pool_as_computed(tiny_model_dir, tmp_pa
     assert token_ids(reader, batch) == expected
     assert reader.engine.stats().kv_tiers["host"]["hits"] > 0
     assert reader.engine.kv.tiers._staging.is_pinned()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
+def test_gguf_linears_run_as_stored_by_the_triton_kernel_give_the_cpu_engines_tokens(tmp_path, monkeypatch, arch):
+    """`quantization: gguf` on CUDA: every linear the file stores as Q8_0 / Q4_1 runs in the Triton kernel, and the
+    greedy float32 tokens and logprobs are the CPU engine's (kvloom's CPU quantized GEMM on the same blocks)."""
+    from kvloom.benchmarks.tiny_model import write_tiny_gguf
+    from kvloom.kernels.packed_linear import Layout
+
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(model, arch)
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(model), device=device, dtype="float32", max_model_len=128, quantization="gguf")
+        if device == "cuda":
+            layer = llm.engine.decoder.layers[0]
+            assert {layer.qkv.layout, layer.gate_up.layout, layer.down.layout,
+                    llm.engine.decoder.lm_head.layout} == {Layout.TRITON_QUANTIZED}
+        outputs[device] = [o.outputs[0] for o in llm.generate(prompts(6, vocab=250), params)]
+    for cpu, cuda in zip(outputs["cpu"], outputs["cuda"]):
+        assert cuda.token_ids == cpu.token_ids
+        assert [lp[t] for t, lp in zip(cuda.token_ids, cuda.logprobs)] == pytest.approx(
+            [lp[t] for t, lp in zip(cpu.token_ids, cpu.logprobs)], abs=1e-4)
