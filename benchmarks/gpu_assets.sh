@@ -3,7 +3,7 @@
 #   .whl/          the Python packages its image lacks (pydantic, xgrammar, ...), as wheels for its Python 3.12,
 #                  at the versions in constraints.txt
 #   .gpu_assets/   SmolLM2's config and tokenizer (its weights, 98 MB even quantized, stay here: the benchmark
-#                  makes random ones of the same shape there)
+#                  makes random ones of the same shape there), and the commit the report names
 # Then, through the device tool: command `bash benchmarks/gpu_check.sh`, carry [".whl", ".gpu_assets"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,4 +19,7 @@ done
 model=$(.venv/bin/python -c "from kvloom.engine.model.model_files import resolve_model_dir; print(resolve_model_dir('smollm2'))")
 cp "$model"/{config.json,generation_config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} \
   .gpu_assets/smollm2/
+# the commit the check's report names (the device's copy of the tree may carry older git metadata)
+echo "$(git rev-parse --short=12 HEAD)$(git diff --quiet HEAD -- . ':!.whl' ':!.gpu_assets' || echo -dirty)" \
+  > .gpu_assets/commit
 du -sh .whl .gpu_assets

@@ -5,7 +5,8 @@
 # tests compare with: building them inside a test's timeout was how the old check ran out of time); the CUDA
 # tests (tests/gpu, the Triton attention, LoRA and quantized GEMM kernels compiled for the device); `python -m
 # kvloom.benchmarks.gpu`.
-# Everything lands in $OUT: check.log, nvidia-smi.txt, tests.log, the report (<device>.md and .json), profile-*.txt.
+# Everything lands in $OUT: check.log, nvidia-smi.txt, engine-tests.log, kernel-tests.log, the report (<device>.md
+# and .json), profile-*.txt.
 # Prepare here first: bash benchmarks/gpu_assets.sh; then run through the device tool from the repository root
 # with carry [".whl", ".gpu_assets"].
 set -uo pipefail
@@ -28,12 +29,20 @@ phase() {  # phase NAME SECONDS COMMAND...: run COMMAND for at most SECONDS, log
   return $status
 }
 
-phase install 20 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+export KVLOOM_SOURCE_COMMIT=$(cat .gpu_assets/commit 2>/dev/null || echo unknown)
+echo "source commit $KVLOOM_SOURCE_COMMIT"
+phase install 15 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || { echo "the carried wheels did not install"; exit 1; }
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 phase build 40 python3 -m kvloom.kernels.cpu_extensions
-phase tests 130 python3 -m pytest -v --durations=10 tests/gpu tests/test_triton_kernels.py tests/test_triton_lora.py tests/test_triton_quant_gemm.py --timeout 60 \
-  > "$OUT/tests.log" 2>&1
-echo "tests: $(grep -E 'passed|failed' "$OUT/tests.log" | tail -1)"
-phase benchmark 165 python3 -m kvloom.benchmarks.gpu --model-dir .gpu_assets/smollm2 --out "$OUT"
+# two test phases, each well inside its limit, so each prints its own summary (a phase cut off prints none)
+tests() {  # tests NAME FILES...: verbose, failures in short form, into $OUT/NAME.log
+  local name=$1
+  shift
+  phase "$name" "$TESTS_LIMIT" python3 -m pytest -v --tb=short --durations=5 --timeout 60 "$@" > "$OUT/$name.log" 2>&1
+  echo "$name: $(grep -E 'passed|failed' "$OUT/$name.log" | tail -1)"
+}
+TESTS_LIMIT=85 tests engine-tests tests/gpu
+TESTS_LIMIT=85 tests kernel-tests tests/test_triton_quant_gemm.py tests/test_triton_kernels.py tests/test_triton_lora.py
+phase benchmark 130 python3 -m kvloom.benchmarks.gpu --model-dir .gpu_assets/smollm2 --out "$OUT"
 echo "end $(date -u +%FT%TZ)"
