@@ -31,7 +31,7 @@ from kvloom.benchmarks.process_tree import PeakTreeRSS, stop_tree, tree_rss_mb, 
 from kvloom.benchmarks.serving_cpu import CLIENT, cpu_by_role, own_cpu_seconds, thread_cpu_seconds
 from kvloom.benchmarks.workloads import Workload
 from kvloom.cluster.ports import free_port
-from kvloom.engine.model.model_files import resolve_model_dir
+from kvloom.engine.model.model_files import embedded_gguf, resolve_model_dir
 from kvloom.kernels.host_isa import host_isa
 
 HERE = Path(__file__).parent
@@ -71,7 +71,10 @@ def llama_cpp_install() -> PeerInstall:
 
 
 def llama_gguf(dtype: str) -> Path:
-    """The embedded model as a GGUF file of this type (f16, bf16, q8_0, q4_0: see peer_setup/llama_cpp.sh)."""
+    """The embedded model as a GGUF file of this type: q4_1 is the embedded file itself (the one kvloom loads);
+    f16, bf16, q8_0 and q4_0 are made by peer_setup/llama_cpp.sh."""
+    if dtype == "q4_1":
+        return embedded_gguf("smollm2")
     return peers_root() / "gguf" / f"smollm2-{dtype}.gguf"
 
 
@@ -307,8 +310,7 @@ def server_command(spec: SystemSpec, settings: BenchSettings, max_model_len: int
         return llama_server_command(install.executable, gguf, port, settings, max_model_len), {}, install
     config = scratch / "kvloom-serve.yaml"
     serve_config = kvloom_serve_config(settings, port, dtype or "auto")
-    if "lora" in spec.engine:
-        serve_config["engine"]["lora"] = spec.engine["lora"]
+    serve_config["engine"].update({key: value for key, value in spec.engine.items() if key != "dtype"})  # lora, ...
     config.write_text(yaml.safe_dump({**serve_config, **spec.serve}))
     return kvloom_serve_command(config), {}, None
 

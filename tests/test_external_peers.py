@@ -191,3 +191,19 @@ def test_kvloom_serves_engine_counters_are_summed_over_replicas_from_the_routers
     before = peers.EngineCounters(steps=4, requests=40, seconds=1.0)
     run = peers.EngineCounters.parse(RouterMetrics(table).render().decode()) - before
     assert run == peers.EngineCounters(steps=10, requests=300, seconds=2.0)
+
+
+def test_the_quantized_comparison_serves_one_gguf_file_to_both_servers(tmp_path):
+    """llama.cpp's Q4_1 peer loads the embedded file itself; `kvloom serve` gets the spec's engine settings
+    (`quantization: gguf` here) in its YAML, its dtype staying the shared default."""
+    import yaml
+
+    from kvloom.engine.model.model_files import embedded_gguf
+
+    llama = peers.server_command(SystemSpec("llama.cpp-q4_1", "llama.cpp", engine={"dtype": "q4_1"}), SETTINGS, 768,
+                                 9000, tmp_path)[0]
+    assert Path(flag(llama, "-m")) == embedded_gguf("smollm2")
+    served = peers.server_command(SystemSpec("kvloom-serve-q4_1", "kvloom-serve", engine={"quantization": "gguf"}),
+                                  SETTINGS, 768, 9000, tmp_path)[0]
+    engine = yaml.safe_load(Path(flag(served, "--config")).read_text())["engine"]
+    assert engine["quantization"] == "gguf" and engine["dtype"] == "auto" and engine["model"] == "smollm2"
