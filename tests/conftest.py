@@ -52,6 +52,48 @@ def host_has(feature: str) -> bool:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "host(feature): needs one of HOST_FEATURES; skipped where the host lacks it")
+    config.addinivalue_line("markers", "triton_kernels: Triton kernels, run on CUDA or in Triton's interpreter")
+
+
+# Triton kernel files (marked `triton_kernels`) run on CUDA, or on CPU in Triton's interpreter: such a file sets
+# TRITON_INTERPRET=1 before it imports triton, and the flag takes only where nothing imported triton earlier in the
+# process (`@triton.jit` picks interpreter or compiler when it decorates, triton's own helpers at its first import).
+# Where something did, the file's tests are skipped here and its fresh-process test runs the file in a new process.
+FRESH_PROCESS_TEST = "test_whole_file_in_a_fresh_interpreter_process"
+
+
+def _triton_cannot_run_here() -> bool:
+    if torch.cuda.is_available():
+        return False
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return not isinstance(tl.sum, InterpretedFunction)
+
+
+@pytest.fixture(autouse=True)
+def _triton_kernels_runnable(request):
+    if (request.node.get_closest_marker("triton_kernels") and request.node.name != FRESH_PROCESS_TEST
+            and _triton_cannot_run_here()):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process instead")
+
+
+@pytest.fixture
+def rerun_in_fresh_interpreter():
+    """Runs a Triton kernel file again in a new process with TRITON_INTERPRET=1, where this one cannot interpret
+    (skipped where it can: the file's tests run here)."""
+    import subprocess
+    import sys
+
+    if not _triton_cannot_run_here():
+        pytest.skip("the kernels already run in this process")
+
+    def rerun(path: str) -> None:
+        done = subprocess.run([sys.executable, "-m", "pytest", path, "-q", "-p", "no:cacheprovider"],
+                              cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+    return rerun
 
 
 def pytest_collection_modifyitems(session, config, items):

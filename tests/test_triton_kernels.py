@@ -12,9 +12,6 @@ process with the flag set.
 
 import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +20,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 import kvloom.kernels.triton_attention as triton_attention  # noqa: E402
 from kvloom.kernels import reference  # noqa: E402
@@ -37,30 +32,11 @@ TOLERANCE = {
     torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
 }
 
-NEEDS_FRESH_PROCESS = not torch.cuda.is_available() and not (
-    isinstance(tl.zeros, InterpretedFunction)
-    and isinstance(triton_attention._paged_attention_kernel, InterpretedFunction)
-)
+pytestmark = pytest.mark.triton_kernels  # conftest.py: CUDA, Triton's interpreter, or a fresh process
 
 
-@pytest.fixture(autouse=True)
-def _kernels_runnable_in_this_process(request):
-    rerun = "test_whole_file_in_a_fresh_interpreter_process"
-    if NEEDS_FRESH_PROCESS and request.node.name != rerun:
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process instead")
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernels already run in this process")
-def test_whole_file_in_a_fresh_interpreter_process():
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-        cwd=Path(__file__).resolve().parents[1],
-        env={**os.environ, "TRITON_INTERPRET": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+def test_whole_file_in_a_fresh_interpreter_process(rerun_in_fresh_interpreter):
+    rerun_in_fresh_interpreter(__file__)
 
 
 def make_batch(

@@ -6,17 +6,12 @@ fresh process.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 from kvloom.benchmarks.random_weights import write_random_adapter  # noqa: E402
 from kvloom.engine.lora.adapter import load_adapter  # noqa: E402
@@ -26,22 +21,11 @@ from kvloom.engine.model.model_config import ModelConfig  # noqa: E402
 from kvloom.kernels import triton_lora  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-NEEDS_FRESH_PROCESS = not torch.cuda.is_available() and not isinstance(
-    triton_lora._segmented_matmul_kernel, InterpretedFunction)
+pytestmark = pytest.mark.triton_kernels  # conftest.py: CUDA, Triton's interpreter, or a fresh process
 
 
-@pytest.fixture(autouse=True)
-def _kernel_runnable_in_this_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.name != "test_whole_file_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process instead")
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel already runs in this process")
-def test_whole_file_in_a_fresh_interpreter_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+def test_whole_file_in_a_fresh_interpreter_process(rerun_in_fresh_interpreter):
+    rerun_in_fresh_interpreter(__file__)
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])

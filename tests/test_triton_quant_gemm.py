@@ -7,9 +7,6 @@ GGUF quantizer.
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,32 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-import triton.language as tl  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
 from kvloom.benchmarks.random_weights import random_gguf_blocks  # noqa: E402
-from kvloom.kernels import triton_quant_gemm  # noqa: E402
 from kvloom.kernels.quantized_linear import QuantizedLinear, QuantType, dequantize  # noqa: E402
 from kvloom.kernels.triton_quant_gemm import (  # noqa: E402
     GEMV_MAX_ROWS, TritonQuantWeight, launch_shape, quant_matmul)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-NEEDS_FRESH_PROCESS = not torch.cuda.is_available() and not (  # triton's own jit functions too (the GEMV's tl.sum)
-    isinstance(tl.sum, InterpretedFunction) and isinstance(triton_quant_gemm._quant_matmul_kernel, InterpretedFunction))
+pytestmark = pytest.mark.triton_kernels  # conftest.py: CUDA, Triton's interpreter, or a fresh process
 
 
-@pytest.fixture(autouse=True)
-def _kernel_runnable_in_this_process(request):
-    if NEEDS_FRESH_PROCESS and request.node.name != "test_whole_file_in_a_fresh_interpreter_process":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1; run in a fresh process instead")
-
-
-@pytest.mark.skipif(not NEEDS_FRESH_PROCESS, reason="the kernel already runs in this process")
-def test_whole_file_in_a_fresh_interpreter_process():
-    done = subprocess.run([sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider"],
-                          cwd=Path(__file__).resolve().parents[1], env={**os.environ, "TRITON_INTERPRET": "1"},
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-2000:]
+def test_whole_file_in_a_fresh_interpreter_process(rerun_in_fresh_interpreter):
+    rerun_in_fresh_interpreter(__file__)
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
