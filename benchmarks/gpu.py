@@ -157,7 +157,7 @@ def quantized_linears(device: torch.device, ceilings: Ceilings, quick: bool) -> 
     import triton
 
     from kvloom.benchmarks.random_weights import random_gguf_blocks
-    from kvloom.kernels.quantized_linear import QuantType
+    from kvloom.kernels.gguf_blocks import QuantType
     from kvloom.kernels.triton_quant_gemm import TritonQuantWeight, launch_shape, multiprocessors, quant_matmul
 
     def bench(fn) -> float:  # ms

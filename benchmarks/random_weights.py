@@ -9,7 +9,7 @@ import torch
 
 from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.model.model_config import ModelConfig
-from kvloom.kernels.quantized_linear import QuantType
+from kvloom.kernels.gguf_blocks import QuantType
 
 LLAMA_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,

@@ -8,7 +8,6 @@ The tile layout and its math are described there. Where that kernel cannot be bu
 the weight is dequantized once (`dequantize`, also the tests' reference) and runs dense, as `PackedLinear` does.
 """
 
-import enum
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloom.kernels.cpu_extensions import build_extension
+from kvloom.kernels.gguf_blocks import QuantType, dequantize, fields
 from kvloom.kernels.packed_linear import Layout
 
 if TYPE_CHECKING:
@@ -24,53 +24,10 @@ if TYPE_CHECKING:
 TILE_OUTPUTS = 16  # outputs per packed tile (cpu_quant_gemm.cpp's TILE_N)
 
 
-class QuantType(enum.IntEnum):
-    """The GGUF block types kvloom runs as stored (values: GGML's type ids, as the gguf package's)."""
-
-    Q4_0 = 2  # d f16, 16 bytes of nibbles: w = d * (q - 8)
-    Q4_1 = 3  # d f16, m f16, 16 bytes of nibbles: w = d * q + m
-    Q8_0 = 8  # d f16, 32 int8: w = d * q
-
-    @property
-    def block_bytes(self) -> int:
-        return {QuantType.Q4_0: 18, QuantType.Q4_1: 20, QuantType.Q8_0: 34}[self]
-
-    @property
-    def bits(self) -> int:
-        return 8 if self is QuantType.Q8_0 else 4
-
-
 def quant_kernel(variant: str | None = None):
     """`torch.ops.kvloom` with the quantized GEMM built for this CPU, or for an ISA variant (cpu_extensions); None
     where it cannot be built."""
     return build_extension("kvloom_cpu_quant", variant)
-
-
-def fields(blocks: torch.Tensor, qtype: QuantType) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """GGUF blocks [N, K/32 * block bytes] (uint8, as the file stores a tensor's rows) -> d [N, K/32] float16, m
-    (Q4_1; Q4_0's is -8d; None for Q8_0) and q [N, K/32, 32] (nibbles 0..15 as uint8, or int8), q in input order."""
-    n = blocks.shape[0]
-    raw = blocks.contiguous().view(n, -1, qtype.block_bytes)
-    d = raw[..., :2].contiguous().view(torch.float16)[..., 0]
-    if qtype is QuantType.Q8_0:
-        return d, None, raw[..., 2:].contiguous().view(torch.int8)
-    m = raw[..., 2:4].contiguous().view(torch.float16)[..., 0] if qtype is QuantType.Q4_1 else None
-    nibbles = raw[..., 4:] if qtype is QuantType.Q4_1 else raw[..., 2:]
-    q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # byte i: weight i (low nibble), weight i + 16 (high)
-    if m is None:
-        m = d.float().mul(-8).to(torch.float16)  # exact: a power of two, unless it overflows
-        if not torch.isfinite(m).all():
-            raise ValueError("a Q4_0 scale too large for a float16 min (|d| > 8188)")
-    return d, m, q
-
-
-def dequantize(blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """GGUF blocks [N, K/32 * block bytes] -> the weight [N, K] in `dtype`, in plain torch (the reference)."""
-    d, m, q = fields(blocks, qtype)
-    weight = d.to(dtype)[..., None] * q.to(dtype)
-    if m is not None:
-        weight = weight + m.to(dtype)[..., None]
-    return weight.reshape(blocks.shape[0], -1)
 
 
 def pack(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:

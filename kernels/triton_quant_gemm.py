@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvloom.kernels.quantized_linear import QuantType, fields
+from kvloom.kernels.gguf_blocks import QuantType, fields
 
 GGUF_BLOCK = 32  # weights per GGUF block along the input
 GEMV_MAX_ROWS = 8  # as llama.cpp's mmvq: a weight costs ~3 ops to dequantize + 1 FMA per row; past 8, ALU-bound

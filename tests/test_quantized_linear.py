@@ -16,7 +16,8 @@ from gguf.quants import quantize as gguf_quantize
 from kvloom.kernels import cpu_extensions, quantized_linear
 from kvloom.kernels.host_isa import HostISA, host_isa
 from kvloom.kernels.packed_linear import Layout
-from kvloom.kernels.quantized_linear import QuantizedLinear, QuantType, dequantize, pack
+from kvloom.kernels.gguf_blocks import QuantType, dequantize
+from kvloom.kernels.quantized_linear import QuantizedLinear, pack
 
 # the kernel builds: this CPU's own (None), then the ISA variants, each where the host runs it
 BUILDS = [pytest.param(None, id="native"),

@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from kvloom.benchmarks.random_weights import random_gguf_blocks  # noqa: E402
-from kvloom.kernels.quantized_linear import QuantizedLinear, QuantType, dequantize  # noqa: E402
+from kvloom.kernels.gguf_blocks import QuantType, dequantize  # noqa: E402
+from kvloom.kernels.quantized_linear import QuantizedLinear  # noqa: E402
 from kvloom.kernels.triton_quant_gemm import (  # noqa: E402
     GEMV_MAX_ROWS, TritonQuantWeight, launch_shape, quant_matmul)
 

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from kvloom.engine.model.gguf_convert import QUANTIZED_FILE
-from kvloom.kernels.quantized_linear import QuantType
+from kvloom.kernels.gguf_blocks import QuantType
 
 logger = logging.getLogger(__name__)
 
