@@ -111,7 +111,9 @@ def decode_floor_s(config: ModelConfig, batch: int, context: int, dtype: torch.d
 
 
 def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: torch.dtype, batches: list[int],
-                 context: int, ceilings: Ceilings, repeats: int) -> list[DecodeStep]:
+                 context: int, ceilings: Ceilings, repeats: int, profile_to: Path | None = None) -> list[DecodeStep]:
+    """The ladder's steps, eager and (on CUDA) from graphs; with `profile_to`, where a batch-1 step's device time
+    goes, written there (the same runner: its random weights are made once)."""
     from kvloom.engine.model.decoder import FusedDecoder
     from kvloom.engine.request import Request
     from kvloom.engine.runner import ModelRunner
@@ -138,6 +140,8 @@ def decode_steps(name: str, config: ModelConfig, device: torch.device, dtype: to
             step_s = statistics.median(timed(lambda: runner.execute([(r, 1) for r in requests]), device, repeats))
             results.append(DecodeStep(name, mode is not None, batch, context, step_s * 1e3, floor_s * 1e3,
                                       decode_read_bytes(config, batch, context, dtype) / 1e9, bound))
+        if batch == 1 and profile_to is not None:
+            profile_step(runner, requests, [None, graphs] if graphs else [None], device, profile_to)
     return results
 
 
@@ -271,28 +275,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_batch_1(config: ModelConfig, device: torch.device, dtype: torch.dtype, context: int, out: Path) -> None:
-    """Where a batch-1 decode step's device time goes, eager and replayed: the top kernels of ten steps each."""
+def profile_step(runner, requests: list, modes: list, device: torch.device, out: Path) -> None:
+    """Where a decode step's device time goes, eager and replayed: the top kernels of ten steps of each mode."""
     from torch.profiler import ProfilerActivity, profile
 
-    from kvloom.engine.model.decoder import FusedDecoder
-    from kvloom.engine.request import Request
-    from kvloom.engine.runner import ModelRunner
-    from kvloom.engine.sampling import SamplingParams
-    from kvloom.kernels.backends import select_backend
-
-    per_request = -(-(context + 1) // 16)
-    runner = ModelRunner(FusedDecoder(config, RandomCheckpoint(config, dtype, device)), config,
-                         select_backend("auto", device), per_request, 16, dtype, device)
-    request = Request("p", [1] * (context + 1), SamplingParams(max_tokens=1, temperature=0))
-    request.num_computed_tokens, request.block_ids = context, list(range(per_request))
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_cuda else [])]
     tables = []
-    for mode in ("eager", "graph"):
-        runner.graphs = runner.capture_graphs(1, per_request) if mode == "graph" else None
-        timed(lambda: runner.execute([(request, 1)]), device, 3)
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            timed(lambda: runner.execute([(request, 1)]), device, 10, warmups=0)
-        tables.append(f"## {mode}, ten steps\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    for mode in modes:
+        runner.graphs = mode
+        with profile(activities=activities) as prof:
+            timed(lambda: runner.execute([(r, 1) for r in requests]), device, 10, warmups=0)
+        tables.append(f"## {'graph' if mode else 'eager'}, ten steps\n" + prof.key_averages().table(
+            sort_by="cuda_time_total" if on_cuda else "cpu_time_total", row_limit=25))
     out.write_text("\n\n".join(tables))
 
 
@@ -332,14 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
                     **config.raw, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}))
             context = 32 if args.quick else args.context
+            profile_to = args.out / f"profile-{name.split()[0].lower()}.txt"
             report["decode"] += [asdict(s) for s in decode_steps(name, config, device, dtype, batches, context,
-                                                                 ceilings, repeats)]
+                                                                 ceilings, repeats, profile_to)]
             release(device)
-            write(f"decode steps, {name}")
-            if device.type == "cuda":
-                profile_batch_1(config, device, dtype, context, args.out / f"profile-{name.split()[0].lower()}.txt")
-                release(device)
-                write("profile of batch-1 steps")
+            write(f"decode steps and a profile of batch 1, {name}")
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":  # Triton runs on CPU interpreted only
         report["quantized"] = quantized_linears(device, ceilings, args.quick)
         write("quantized linears")

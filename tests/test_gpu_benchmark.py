@@ -39,6 +39,8 @@ def test_a_quick_run_on_cpu_writes_every_section_and_frees_each_engine_before_th
     written = json.loads(next(tmp_path.glob("*.json")).read_text())
     assert written["decode"] == report["decode"]
     assert "roofline floor" in next(tmp_path.glob("*.md")).read_text()
+    assert {p.name for p in tmp_path.glob("profile-*.txt")} == {"profile-smollm2.txt", "profile-8b.txt"}
+    assert "## eager, ten steps" in (tmp_path / "profile-8b.txt").read_text()
     assert len(made) >= 4 and alive_at_start == [0] * len(made)
     assert all(ref() is None for ref in made)
 
