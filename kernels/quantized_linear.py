@@ -55,8 +55,8 @@ def pack(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class QuantizedLinear:
-    """y = x @ W.T + bias for 2-D x (float32 or bfloat16), W given as GGUF blocks: kvloom's kernel on its packed
-    tiles, or dense where that kernel is unavailable. Used as a `PackedLinear` is."""
+    """y = x @ W.T + bias for 2-D x (float32 or bfloat16), W given as GGUF blocks: kvloom's CPU kernel on its packed
+    tiles, the Triton kernels on CUDA, or dense where neither runs. Used as a `PackedLinear` is."""
 
     weight: "torch.Tensor | TritonQuantWeight"  # tiles (QUANTIZED), the GGUF fields (TRITON), or dequantized (DENSE)
     bias: torch.Tensor | None  # float32 for QUANTIZED
@@ -74,13 +74,13 @@ class QuantizedLinear:
     def pack(cls, blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype, bias: torch.Tensor | None = None,
              variant: str | None = None, device: torch.device = torch.device("cpu")) -> "QuantizedLinear":
         """From a tensor's GGUF blocks [N, K/32 * block bytes] on the host, for activations of `dtype` on `device`:
-        on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs, else the
-        weight dequantized to `dtype` (done once here)."""
+        on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs; elsewhere
+        the weight dequantized to `dtype` on `device` (done once here)."""
         if device.type == "cuda":
             return cls.for_triton(blocks, qtype, bias, device)
-        if blocks.device.type != "cpu" or quant_kernel(variant) is None:
-            bias = None if bias is None else bias.detach().to(dtype)
-            return cls(dequantize(blocks, qtype, dtype), bias, qtype, Layout.DENSE, blocks.shape[0])
+        if device.type != "cpu" or quant_kernel(variant) is None:
+            bias = None if bias is None else bias.detach().to(device, dtype)
+            return cls(dequantize(blocks, qtype, dtype).to(device), bias, qtype, Layout.DENSE, blocks.shape[0])
         bias = None if bias is None else bias.detach().float().contiguous()
         return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant)
 

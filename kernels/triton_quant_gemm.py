@@ -190,6 +190,7 @@ def _multiprocessors(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@lru_cache(maxsize=4096)  # pure, and asked on every call of every linear
 def launch_shape(m: int, n: int, k: int, multiprocessors: int, block_n: int | None = None, block_k: int | None = None,
                  num_warps: int | None = None, num_stages: int = 3, bits: int = 4) -> LaunchShape:
     """Tiles for `m` rows of a `bits`-bit weight [n, k]: up to GEMV_MAX_ROWS the GEMV's, all rows in one program
