@@ -130,14 +130,19 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def metrics_of(run: dict, name: str) -> dict | None:
+    """The named system's metrics in one of the runs, or None where it did not finish."""
+    return next((r["metrics"] for r in run["results"] if r["spec"]["name"] == name and r["metrics"]), None)
+
+
 def tpot_ms(run: dict, name: str) -> float | None:
-    found = [r["metrics"] for r in run["results"] if r["spec"]["name"] == name and r["metrics"]]
-    return found[0]["tpot"]["p50"] * 1e3 if found and found[0]["tpot"] else None
+    metrics = metrics_of(run, name)
+    return metrics["tpot"]["p50"] * 1e3 if metrics and metrics["tpot"] else None
 
 
 def output_tok_s(run: dict, name: str) -> float | None:
-    found = [r["metrics"] for r in run["results"] if r["spec"]["name"] == name and r["metrics"]]
-    return found[0]["output_tok_s"] if found else None
+    metrics = metrics_of(run, name)
+    return metrics["output_tok_s"] if metrics else None
 
 
 def goals(report: dict) -> list[str]:
@@ -193,7 +198,6 @@ def main(argv: list[str] | None = None) -> dict:
         runs = [run_systems(workload, systems(), settings, args.out / workload.name, label=label)
                 for workload, label in ((single, "Batch-1 decode (single-stream)"), (w1, "W1 (offline-mixed)"))]
         (args.out / "runs.json").write_text(json.dumps(runs, default=str))
-    torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth_gb_s(args.threads)
     quantized, dequantized = decode_step_bytes(quantization="gguf"), decode_step_bytes()
     floor = {"read_gb_s": bandwidth, "quantized_mb": quantized / 1e6, "dequantized_mb": dequantized / 1e6,

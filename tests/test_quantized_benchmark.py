@@ -1,0 +1,37 @@
+"""`python -m kvloom.benchmarks.quantized`: each goal line is judged from the run's own figures, and a system that
+did not finish is said to be unmeasured, never counted as holding."""
+
+from kvloom.benchmarks import quantized
+
+
+def run(**systems) -> dict:
+    """One run's results: system name -> (TPOT p50 s, output tok/s), or None where it did not finish."""
+    return {"results": [{"spec": {"name": name}, "metrics": None if figures is None else
+                         {"tpot": {"p50": figures[0], "p99": figures[0]}, "output_tok_s": figures[1]}}
+                        for name, figures in systems.items()]}
+
+
+def report(llama_w1=(0.5, 100.0)) -> dict:
+    single = run(**{"kvloom-dequantized": (0.012, 18), "kvloom-q4_1": (0.005, 18), "kvloom-serve-q4_1": (0.008, 18),
+                    "llama.cpp-q4_1": (0.010, 18)})
+    w1 = run(**{"kvloom-dequantized": (0.1, 400.0), "kvloom-q4_1": (0.1, 380.0), "kvloom-serve-q4_1": (0.1, 300.0),
+                "llama.cpp-q4_1": llama_w1})
+    return {"runs": [single, w1], "floor": {"quantized_floor_ms": 4.0},
+            "quality": {"equal_share": 0.95, "perplexity": {"dequantized": 10.0, "q4_1": 10.1}}}
+
+
+def test_each_goal_is_judged_from_the_figures_in_its_direction():
+    lines = quantized.goals(report())
+    assert lines == [
+        "batch-1 TPOT over the quantized read floor: 1.25x (goal at most 1.3x): holds",
+        "batch-1 TPOT, de-quantized over quantized: 2.40x (goal at least 2.0x): holds",
+        "batch-1 TPOT over HTTP, llama.cpp over kvloom serve: 1.25x (goal at least 1.2x): holds",
+        "W1 throughput over HTTP, kvloom serve over llama.cpp: 3.00x (goal at least 2.0x): holds",
+        "W1 offline throughput, quantized over de-quantized: 0.95x (goal at least 1.0x): missed",
+        "greedy tokens equal to the de-quantized engine's (share, as x): 0.95x (goal at least 0.9x): holds",
+        "perplexity, quantized over de-quantized: 1.01x (goal at most 1.005x): missed"]
+
+
+def test_a_system_that_did_not_finish_leaves_its_goal_unmeasured():
+    lines = quantized.goals(report(llama_w1=None))
+    assert "W1 throughput over HTTP, kvloom serve over llama.cpp: not measured (a system did not finish)" in lines
