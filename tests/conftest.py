@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvloom.benchmarks.tiny_model import build_tiny_llama  # noqa: E402
+from kvloom.benchmarks.tiny_model import build_tiny_llama, write_tiny_gguf  # noqa: E402
 from kvloom.kernels.item_pool import torch_threads  # noqa: E402
 
 
@@ -177,6 +177,19 @@ def same_on_any_thread_count(kernel_threads):
                 results.append(fn())
         return all(torch.equal(results[0], r) for r in results[1:])
     return check
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, monkeypatch):
+    """`write(arch, down_type)`: writes a tiny GGUF model (converted into a cache under tmp_path), returns its
+    path."""
+    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
+
+    def write(arch: str = "llama", down_type: str = "Q8_0") -> str:
+        path = tmp_path / f"{arch}-{down_type}.gguf"
+        write_tiny_gguf(path, arch, down_type)
+        return str(path)
+    return write
 
 
 @pytest.fixture(scope="session")

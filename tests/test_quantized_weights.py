@@ -8,7 +8,6 @@ import logging
 
 import pytest
 
-from kvloom.benchmarks.tiny_model import write_tiny_gguf
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
@@ -18,18 +17,6 @@ from kvloom.kernels.quantized_linear import QuantizedLinear, quant_kernel
 
 PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
-
-
-@pytest.fixture
-def tiny_gguf(tmp_path, monkeypatch):
-    """Writes a tiny GGUF model (converted into a cache under tmp_path) and returns its path."""
-    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
-
-    def write(arch: str = "llama", down_type: str = "Q8_0") -> str:
-        path = tmp_path / f"{arch}-{down_type}.gguf"
-        write_tiny_gguf(path, arch, down_type)
-        return str(path)
-    return write
 
 
 def run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:

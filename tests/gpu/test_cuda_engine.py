@@ -198,19 +198,16 @@ def test_kv_tier_blocks_load_into_a_cuda_pool_as_computed(tiny_model_dir, tmp_pa
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
-def test_gguf_linears_run_as_stored_by_the_triton_kernel_give_the_cpu_engines_tokens(tmp_path, monkeypatch, arch):
+def test_gguf_linears_run_as_stored_by_the_triton_kernel_give_the_cpu_engines_tokens(tiny_gguf, arch):
     """`quantization: gguf` on CUDA: every linear the file stores as Q8_0 / Q4_1 runs in the Triton kernel, and the
     greedy float32 tokens and logprobs are the CPU engine's (kvloom's CPU quantized GEMM on the same blocks)."""
-    from kvloom.benchmarks.tiny_model import write_tiny_gguf
     from kvloom.kernels.packed_linear import Layout
 
-    monkeypatch.setenv("KVLOOM_CACHE_DIR", str(tmp_path / "cache"))
-    model = tmp_path / f"{arch}.gguf"
-    write_tiny_gguf(model, arch)
+    model = tiny_gguf(arch)
     params = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
     outputs = {}
     for device in ("cpu", "cuda"):
-        llm = LLM(str(model), device=device, dtype="float32", max_model_len=128, quantization="gguf")
+        llm = LLM(model, device=device, dtype="float32", max_model_len=128, quantization="gguf")
         if device == "cuda":
             layer = llm.engine.decoder.layers[0]
             assert {layer.qkv.layout, layer.gate_up.layout, layer.down.layout,
