@@ -3,13 +3,16 @@ prefix misses the pool. Greedy float32 outputs are the same with tiers off, host
 restore, a spill and a restarted engine; another engine of the node finds what one computed; other tenants and
 adapters never get each other's blocks; a bad file is recomputed; a full tier never fails a request."""
 
+import contextlib
 import random
 
 import pytest
+import torch
 
 from kvloom.engine.block_pool import prompt_block_hashes
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.kv_tiers.block_store import SUFFIX
+from kvloom.engine.kv_tiers.pool_copy import PoolCopy
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 
@@ -199,3 +202,56 @@ def test_a_request_cancelled_while_its_blocks_load_frees_everything(tiny_model_d
     assert stats.num_free_blocks == stats.num_blocks and joined.kv.num_requests_holding == 0
     assert all(block.ref_cnt == 0 for block in joined.kv.pool.blocks)
     assert not set(prompt_block_hashes(work[0], BLOCK)) & set(joined.kv.pool.cached)  # a cancelled load registers nothing
+
+
+def test_on_cuda_a_load_copies_from_pinned_memory_on_its_own_stream_finished_before_the_load_is_done(
+        tiny_model_dir, tmp_path, monkeypatch):
+    """The CUDA copy path on CPU, torch.cuda's streams faked (on a real device: tests/gpu): the worker's buffer is
+    asked for pinned and kept, every block reaches the pool inside a stream made once, and that stream is
+    synchronized before the load is reported done (the step's stream reads the blocks next)."""
+    events, buffers, streams = [], [], []
+
+    class Stream:
+        def __init__(self, device):
+            streams.append(device)
+
+        def synchronize(self):
+            events.append("synchronize")
+
+    @contextlib.contextmanager
+    def stream(_):
+        events.append("enter")
+        yield
+        events.append("exit")
+
+    def host_buffer(copy, count, size):
+        buffers.append(copy.on_side_stream)  # pinned memory's request, on a host that has none
+        return torch.empty(count, size, dtype=torch.uint8)
+
+    def fake_cuda(copy, device):
+        init(copy, device)
+        copy.on_side_stream = True
+
+    work = prompts(3, seed=8)
+    expected = run(engine(tiny_model_dir, tmp_path / "off"), work)
+    run(engine(tiny_model_dir, tmp_path, host=64 << 20), work)
+    init = PoolCopy.__init__
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(PoolCopy, "host_buffer", host_buffer)
+    monkeypatch.setattr(PoolCopy, "__init__", fake_cuda)
+    joined = engine(tiny_model_dir, tmp_path, host=64 << 20)  # started after: the prefixes are in the tier only
+    tiers, tier_io = joined.kv.tiers, joined.kv.tier_io
+    place, load = tiers.import_blocks, tier_io.load
+    tiers.import_blocks = lambda *args: (events.append("import"), place(*args))
+    tier_io.load = lambda *args: watched(load(*args))
+
+    def watched(tier_load):
+        tier_load.done.add_done_callback(lambda _: events.append("done"))
+        return tier_load
+
+    assert run(joined, work) == expected
+    assert tier(joined, "host")["hits"] >= 96 // BLOCK
+    loads = events.count("done")
+    assert loads >= 1 and events == ["enter", "import", "exit", "synchronize", "done"] * loads
+    assert len(streams) == 1 and buffers and all(buffers) and len(buffers) <= loads

@@ -3,16 +3,14 @@ replica of the node, a replica that joins or restarts, or this one after evictin
 read back, host first, then disk, into fresh pool blocks when a prompt's prefix misses the pool.
 
 `KVTiers` is what the tiers hold and how a block goes in and out; its reads and writes run on tier_io.py's worker
-thread, beside the engine's steps. A load reads block files straight into a staging buffer (pinned on CUDA, reused
-from load to load: fresh buffers cost more in page faults than the read), checks them there and copies the KV into
-the pool in one pass per layer (on CUDA one host-to-device copy on the worker's own stream, waited for there).
+thread, beside the engine's steps. A load reads block files straight into a staging buffer, checks them there and
+copies the KV into the pool in one pass per layer (pool_copy.py: on CUDA from pinned memory on a stream of its own).
 Counters per tier say what was found, written and how long loading took (`EngineStats.kv_tiers`).
 """
 
-import contextlib
 import hashlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import torch
 from kvloom.engine.config import KVTiersConfig
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.kv_tiers.block_store import BlockStore, file_bytes, payload_offset
+from kvloom.engine.kv_tiers.pool_copy import PoolCopy
 
 
 @dataclass
@@ -57,11 +56,8 @@ class KVTiers:
     import_blocks: Callable[[list[int], torch.Tensor], None]
     block_shape: tuple[int, ...]  # one block's [layers, 2, block_size, kv_heads, head_dim]
     kv_dtype: torch.dtype
-    device: torch.device
+    copy: PoolCopy
     stats: dict[str, TierStats] = field(default_factory=dict)
-    restore_s: float = 0.0  # copying loaded blocks into the pool
-    _staging: torch.Tensor = field(default_factory=lambda: torch.empty(0, 0, dtype=torch.uint8))
-    _stream: "torch.cuda.Stream | None" = None  # the worker's copy stream on CUDA
 
     def __post_init__(self) -> None:
         self.stats = {name: TierStats() for name in self.stores}
@@ -74,7 +70,7 @@ class KVTiers:
         host = (opened(Path(config.host_path), config.host_bytes, identity, disk, "kv_tiers.host_path")
                 if config.host_bytes else None)
         stores = {name: store for name, store in (("host", host), ("disk", disk)) if store is not None}
-        return KVTiers(stores, export_blocks, import_blocks, block_shape, kv_dtype, device) if stores else None
+        return KVTiers(stores, export_blocks, import_blocks, block_shape, kv_dtype, PoolCopy(device)) if stores else None
 
     @property
     def first(self) -> BlockStore:
@@ -107,7 +103,7 @@ class KVTiers:
     def load(self, wanted: list[tuple[int, tuple[int, ...]]], block_ids: list[int]) -> int:
         """Read the leading run of `wanted` that the tiers hold into the pool blocks `block_ids` (one each); returns
         how many were loaded (a block missing or bad ends the run). On the worker thread."""
-        rows = self._staging_rows(len(wanted))
+        rows = self.copy.rows(len(wanted), file_bytes(self.block_size, self.payload_bytes))
         offset = payload_offset(self.block_size)
         found = 0
         for (block_hash, tokens), row in zip(wanted, rows):
@@ -115,12 +111,10 @@ class KVTiers:
                 break
             found += 1
         if found:
-            started = time.perf_counter()
-            with self._copy_stream():
-                on_device = rows[:found].to(self.device, non_blocking=True)
-                kv = on_device[:, offset:].view(self.kv_dtype).view(found, *self.block_shape).movedim(0, 2)
+            def place(files: torch.Tensor) -> None:  # the files' payloads, as [layers, 2, blocks, ...] KV
+                kv = files[:, offset:].view(self.kv_dtype).view(found, *self.block_shape).movedim(0, 2)
                 self.import_blocks(block_ids[:found], kv)
-            self.restore_s += time.perf_counter() - started
+            self.copy.into_pool(rows[:found], place)
         return found
 
     def _read(self, block_hash: int, tokens: tuple[int, ...], out: memoryview) -> bool:
@@ -135,29 +129,8 @@ class KVTiers:
             stats.misses += 1
         return False
 
-    def _staging_rows(self, count: int) -> torch.Tensor:
-        """`count` rows of a block file's size, from a buffer kept from load to load (grown when short)."""
-        size = file_bytes(self.block_size, self.payload_bytes)
-        if len(self._staging) < count:
-            self._staging = torch.empty(max(count, 2 * len(self._staging)), size, dtype=torch.uint8,
-                                        pin_memory=self.device.type == "cuda")
-        return self._staging[:count]
-
-    @contextlib.contextmanager
-    def _copy_stream(self) -> Iterator[None]:
-        """Copies to the pool: on CUDA on a stream of the worker's own, finished before the load is reported done
-        (the step's stream then reads them); elsewhere as they are."""
-        if self.device.type != "cuda":
-            yield
-            return
-        if self._stream is None:  # made once: the worker is the only thread that uses it
-            self._stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self._stream):
-            yield
-        self._stream.synchronize()
-
     def as_dict(self) -> dict:
-        return {"restore_s": self.restore_s, **{name: vars(stats) | {"used_bytes": self.stores[name].used_bytes()}
+        return {"restore_s": self.copy.seconds, **{name: vars(stats) | {"used_bytes": self.stores[name].used_bytes()}
                                                 for name, stats in self.stats.items()}}
 
     def recent_hashes(self, limit: int) -> list[int]:

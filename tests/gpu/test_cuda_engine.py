@@ -194,7 +194,7 @@ def test_kv_tier_blocks_load_into_a_cuda_pool_as_computed(tiny_model_dir, tmp_pa
     reader = LLM(str(tiny_model_dir), device="cuda", dtype="float32", kv_cache_memory_bytes=1 << 24, kv_tiers=tiers)
     assert token_ids(reader, batch) == expected
     assert reader.engine.stats().kv_tiers["host"]["hits"] > 0
-    assert reader.engine.kv.tiers._staging.is_pinned()
+    assert reader.engine.kv.tiers.copy.buffer.is_pinned()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
