@@ -1,8 +1,8 @@
 """`quantization: gguf`: a GGUF model's linears run as the file stores them (kernels/quantized_linear.py, loaded by
 engine/model/quantized_weights.py). The weights are the file's exactly, so in float32 an engine running them as
 stored gives the de-quantized engine's tokens, and its logprobs to float32 rounding (the sums' order differs). A type
-kvloom cannot run as stored is de-quantized, said once; models that did not come from a GGUF file, and tensor
-parallelism, are refused at start by name. The embedded SmolLM2 file: tests/test_parity_smollm2.py."""
+kvloom cannot run as stored is de-quantized, said once; LoRA adapters and speculation work over a quantized base;
+models that did not come from a GGUF file, and tensor parallelism, are refused at start by name. The embedded SmolLM2 file: tests/test_parity_smollm2.py."""
 
 import logging
 
@@ -63,3 +63,51 @@ def test_a_model_not_from_a_gguf_file_or_split_over_ranks_is_refused_by_name(tin
         LLMEngine(model=str(tiny_model_dir), quantization="gguf")
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(model=str(tiny_model_dir), tensor_parallel_size=2, quantization="gguf")
+
+
+def test_lora_adapters_on_a_quantized_base_give_the_dequantized_bases_tokens(tiny_gguf, tmp_path):
+    """QLoRA's serving case: adapters over linears run as stored compute what they compute over the de-quantized
+    base, rows of two adapters and the base in one batch."""
+    from kvloom.benchmarks.random_weights import write_random_adapter
+    from kvloom.engine.model.model_config import ModelConfig
+    from kvloom.engine.model.model_files import resolve_model_dir
+
+    model = tiny_gguf("llama")
+    config = ModelConfig.from_dir(resolve_model_dir(model))
+    adapters = {"attn": str(write_random_adapter(tmp_path / "attn", config, 4, seed=1, targets=("q_proj", "v_proj"))),
+                "mlp": str(write_random_adapter(tmp_path / "mlp", config, 8, seed=2,
+                                                targets=("gate_proj", "up_proj", "down_proj", "o_proj")))}
+    names = [None, "attn", "mlp"]
+
+    def run_with_adapters(**knobs) -> list[tuple[list[int], list[float]]]:
+        engine = LLMEngine(model=model, dtype="float32", max_model_len=128, lora={"adapters": adapters}, **knobs)
+        for i, (prompt, name) in enumerate((p, n) for p in PROMPTS for n in names):
+            engine.add_request(f"r{i}", prompt, GREEDY, lora=name)
+        done = {}
+        while engine.has_unfinished():
+            done |= {out.request_id: out.outputs[0] for out in engine.step() if out.finished}
+        return [(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)])
+                for o in (done[f"r{i}"] for i in range(len(done)))]
+
+    expected = run_with_adapters()
+    got = run_with_adapters(quantization="gguf")
+    by_name = {name: [tokens for tokens, _ in expected[i::len(names)]] for i, name in enumerate(names)}
+    assert by_name["attn"] != by_name[None] and by_name["mlp"] != by_name[None]  # each adapter changes the output
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, ours), (_, theirs) in zip(got, expected):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
+def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, method):
+    """Drafts proposed for (and, with a draft model, by) a base run as stored are verified by it: greedy output is
+    the base's own without speculation."""
+    model = tiny_gguf("llama")
+    spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+            "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1},
+            "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": model}}[method]
+    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf"))
+    engine = LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf", speculative_config=spec)
+    got = run(engine)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    assert engine.spec_decode_stats.num_accepted_tokens > 0
