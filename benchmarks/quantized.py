@@ -64,7 +64,8 @@ def decode_step_bytes(**engine) -> int:
 
 
 def quality(prompts: list[list[int]]) -> dict:
-    """Greedy agreement and perplexity, quantized against de-quantized, both float32."""
+    """Greedy agreement and perplexity, quantized against de-quantized, in float32 (the exact kernel) and in bfloat16
+    (where prompts of 16 tokens or more run the int8 path on VNNI CPUs: x quantized a block at a time)."""
     from kvloom.benchmarks.workloads import load_tokenizer
     from kvloom.engine.llm import LLM
     from kvloom.engine.sampling import SamplingParams
@@ -74,24 +75,27 @@ def quality(prompts: list[list[int]]) -> dict:
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)]
     greedy = SamplingParams(max_tokens=PARITY_TOKENS, temperature=0, ignore_eos=True)
     scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    tokens, perplexity = {}, {}
-    for name, engine in (("dequantized", {}), ("q4_1", {"quantization": "gguf"})):
-        llm = LLM("smollm2", dtype="float32", **engine)
-        tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
-        # each position's entry: (its token's rank, {token: logprob, its top alternatives...}), the token first
-        logprobs = [next(iter(alternatives.values())) for out in llm.generate(windows, scoring)
-                    for _, alternatives in filter(None, out.prompt_logprobs)]
-        perplexity[name] = math.exp(-sum(logprobs) / len(logprobs))
-        del llm
-        gc.collect()
 
     def shared_prefix(a: list[int], b: list[int]) -> int:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
-    prefixes = [shared_prefix(a, b) for a, b in zip(tokens["q4_1"], tokens["dequantized"])]
-    return {"prompts": len(prompts), "tokens": PARITY_TOKENS, "equal_prefix_tokens": prefixes,
-            "equal_share": sum(prefixes) / (len(prompts) * PARITY_TOKENS),
-            "text": "Python's LICENSE.txt", "text_tokens": len(ids), "perplexity": perplexity}
+    by_dtype = {}
+    for dtype in ("float32", "bfloat16"):
+        tokens, perplexity = {}, {}
+        for name, engine in (("dequantized", {}), ("q4_1", {"quantization": "gguf"})):
+            llm = LLM("smollm2", dtype=dtype, **engine)
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+            # each position's entry: (its token's rank, {token: logprob, its top alternatives...}), the token first
+            logprobs = [next(iter(alternatives.values())) for out in llm.generate(windows, scoring)
+                        for _, alternatives in filter(None, out.prompt_logprobs)]
+            perplexity[name] = math.exp(-sum(logprobs) / len(logprobs))
+            del llm
+            gc.collect()
+        prefixes = [shared_prefix(a, b) for a, b in zip(tokens["q4_1"], tokens["dequantized"])]
+        by_dtype[dtype] = {"equal_prefix_tokens": prefixes, "perplexity": perplexity,
+                           "equal_share": sum(prefixes) / (len(prompts) * PARITY_TOKENS)}
+    return {"prompts": len(prompts), "tokens": PARITY_TOKENS, "text": "Python's LICENSE.txt", "text_tokens": len(ids),
+            **by_dtype}
 
 
 def markdown(report: dict) -> str:
@@ -119,13 +123,14 @@ def markdown(report: dict) -> str:
                          f"{m['peak_rss_mb'] or 0:.0f} |")
         lines.append("")
     q = report["quality"]
-    lines += ["## Quality (float32)", "",
-              f"Greedy tokens of Q4_1 run as stored equal to the de-quantized engine's: {q['equal_share']:.1%} of "
-              f"{q['prompts']} prompts x {q['tokens']} tokens (tokens before each prompt's first difference: "
-              f"{q['equal_prefix_tokens']}).", "",
-              f"Perplexity of {q['text']} ({q['text_tokens']} tokens): de-quantized "
-              f"{q['perplexity']['dequantized']:.4f}, Q4_1 as stored {q['perplexity']['q4_1']:.4f} "
-              f"({q['perplexity']['q4_1'] / q['perplexity']['dequantized'] - 1:+.3%})."]
+    lines += ["## Quality", "", "Each dtype's Q4_1 run as stored against the de-quantized engine in that dtype "
+              "(bfloat16: prompts of 16 tokens or more run x in int8 where the CPU has VNNI).", ""]
+    for dtype in ("float32", "bfloat16"):
+        d, pp = q[dtype], q[dtype]["perplexity"]
+        lines += [f"- {dtype}: greedy tokens equal on {d['equal_share']:.1%} of {q['prompts']} prompts x {q['tokens']} "
+                  f"tokens (before each prompt's first difference: {d['equal_prefix_tokens']}); perplexity of "
+                  f"{q['text']} ({q['text_tokens']} tokens) de-quantized {pp['dequantized']:.4f}, Q4_1 as stored "
+                  f"{pp['q4_1']:.4f} ({pp['q4_1'] / pp['dequantized'] - 1:+.3%})."]
     lines += ["", "## Goals", ""] + [f"- {g}" for g in report["goals"]]
     return "\n".join(lines) + "\n"
 
@@ -172,9 +177,11 @@ def goals(report: dict) -> list[str]:
                                                                       output_tok_s(w1, "llama.cpp-q4_1")), 2.0)
     line("W1 offline throughput, quantized over de-quantized", ratio(output_tok_s(w1, "kvloom-q4_1"),
                                                                     output_tok_s(w1, "kvloom-dequantized")), 1.0)
-    line("greedy tokens equal to the de-quantized engine's (share, as x)", q["equal_share"], 0.9)
-    pp = q["perplexity"]
-    line("perplexity, quantized over de-quantized", pp["q4_1"] / pp["dequantized"], 1.005, better_high=False)
+    for dtype in ("float32", "bfloat16"):
+        line(f"{dtype}: greedy tokens equal to the de-quantized engine's (share, as x)", q[dtype]["equal_share"], 0.9)
+        pp = q[dtype]["perplexity"]
+        line(f"{dtype}: perplexity, quantized over de-quantized", pp["q4_1"] / pp["dequantized"], 1.005,
+             better_high=False)
     return out
 
 

@@ -22,6 +22,12 @@
 // Sums are float32, rounded once to bfloat16 (nearest even) for bfloat16 activations. Work items (rows x adjacent
 // tiles) are dealt from a shared counter as in kvloom's other kernels (cpu_deal.h).
 //
+// Many rows (INT8_ROWS and more) of bfloat16 x on CPUs with AVX512-VNNI run in int8 instead (int8_rows, below): the
+// per-block scaling above costs a conversion and two FMAs per row and block on top of 16 VDPBF16PS, so from ~12 rows
+// the de-quantized model's bfloat16 GEMM was faster; VPDPBUSD takes a block's 32 inputs by 16 outputs in 8
+// instructions. x is then quantized a block at a time (as llama.cpp's Q8 activations), so a row's result depends on
+// whether its call had INT8_ROWS rows, never on which rows besides; float32 x always runs the exact path.
+//
 // Built for this CPU (-march=native), and by tests for the instruction sets below it (cpu_extensions.ISA_VARIANTS:
 // ops suffixed _avx512, _avx2, _generic), so each of its paths is tested where the host runs it.
 #include <ATen/Parallel.h>
@@ -30,10 +36,14 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
+#include <type_traits>
 #include <string>
 #include <utility>
 
@@ -49,6 +59,7 @@ constexpr int64_t TILE_N = 16;   // outputs per tile
 constexpr int64_t BLOCK_K = 32;  // weights per GGUF block
 constexpr int64_t SERIAL_PREP = 1 << 15;  // x elements prepared on the calling thread (waking the team costs more)
 constexpr int64_t MAX_ITEM_TILES = 32;    // tiles per work item at most (a few hundred KB of weights)
+constexpr int64_t INT8_ROWS = 16;         // from this many rows bfloat16 x runs in int8 where VNNI is (int8_rows)
 
 // The weight stream 4 KB ahead into L2 (an item's tiles are contiguous; prefetches never fault), on a tile's first
 // pass only (from memory; the row blocks after it find it in cache, where prefetches cost Q8_0 10% at 16-64 rows).
@@ -343,13 +354,160 @@ constexpr RowsTable<uint32_t, sizeof...(Rs)> pair_rows_table(std::integer_sequen
 }
 #endif
 
-// x [M, K] (row stride x_stride in X) against the tiles -> y [M, N] (+ bias), rows in groups of 4 R_MAX, each
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool INT8_DOTS = true;
+// Many rows of bfloat16 x (INT8_ROWS or more) with VNNI: x quantized a block of 32 at a time to int8 (scale
+// max|x|/127, rounded to nearest), the weights' own 4- or 8-bit integers multiplied with it by VPDPBUSD (64
+// multiply-adds an instruction, int32 sums) and a block's sum scaled once: y += d * dx * S (+ m * X, X the block's
+// exact sum of x). A tile's blocks are unpacked once a work item into the VPDPBUSD operand (a 32-bit lane holds one
+// output's weights at 4 inputs) beside their scales, which its row blocks share:
+//   per block [8 weight vectors][d][Q4: m | Q8: 128 * the weights' sums], 64 bytes each.
+// x's quads follow the weights' order: Q4 chunk c holds inputs (2c, 2c+1, 2c+16, 2c+17); Q8 quad i inputs 4i..4i+3,
+// as unsigned x + 128 (VPDPBUSD's unsigned operand; the weights, signed, are the other), so S = sum - 128 * sum(w).
+constexpr int64_t UNPACKED_BLOCK = 10;     // vectors an unpacked block
+constexpr int TERNARY_OR_AND = 0xA8;       // (a | b) & c
+constexpr int64_t GROUP = Lanes::R_MAX;    // rows a register block: x's quads and facts are laid out by groups of them
+
+inline uint32_t bytes(int a, int b, int c, int d) {
+  return static_cast<uint8_t>(a) | static_cast<uint8_t>(b) << 8 | static_cast<uint8_t>(c) << 16 |
+         static_cast<uint32_t>(static_cast<uint8_t>(d)) << 24;
+}
+
+struct Int8Q4 {
+  static constexpr int64_t TILE = Q4::TILE;
+  static void unpack(const uint8_t* block, __m512i* out) {
+    for (int c = 0; c < 8; ++c) {  // a word's nibbles -> bytes (2c, 2c+1, 2c+16, 2c+17): (w | w << 12) & 0x0F0F0F0F
+      const __m512i w = Lanes::words(block + 64 + 32 * c);
+      out[c] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(w, 12), w, _mm512_set1_epi32(0x0F0F0F0F), TERNARY_OR_AND);
+    }
+    out[8] = _mm512_castps_si512(Lanes::halves(block));
+    out[9] = _mm512_castps_si512(Lanes::halves(block + 32));
+  }
+  static __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {  // x broadcast from memory in the dot
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(weights), "m"(*x));
+    return sum;
+  }
+  static uint32_t quad(const int8_t* q, int c) { return bytes(q[2 * c], q[2 * c + 1], q[2 * c + 16], q[2 * c + 17]); }
+};
+
+struct Int8Q8 {
+  static constexpr int64_t TILE = Q8::TILE;
+  static void unpack(const uint8_t* block, __m512i* out) {
+    static const __m512i interleave = [] {  // words of chunks 2i, 2i+1 -> a lane per output: inputs 4i..4i+3
+      alignas(64) int16_t index[32];
+      for (int j = 0; j < 16; ++j) index[2 * j] = static_cast<int16_t>(j), index[2 * j + 1] = static_cast<int16_t>(16 + j);
+      return _mm512_load_si512(index);
+    }();
+    __m512i sums = _mm512_setzero_si512();
+    for (int i = 0; i < 8; ++i) {
+      out[i] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(block + 32 + 64 * i));
+      sums = _mm512_dpbusd_epi32(sums, _mm512_set1_epi8(1), out[i]);
+    }
+    out[8] = _mm512_castps_si512(Lanes::halves(block));
+    out[9] = _mm512_slli_epi32(sums, 7);
+  }
+  static __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {
+    return _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(static_cast<int>(*x)), weights);
+  }
+  static uint32_t quad(const int8_t* q, int i) {
+    return bytes(q[4 * i] + 128, q[4 * i + 1] + 128, q[4 * i + 2] + 128, q[4 * i + 3] + 128);
+  }
+};
+
+template <typename Format>
+void unpack_int8_tile(const uint8_t* tile, int64_t B, void* unpacked) {
+  auto* out = static_cast<__m512i*>(unpacked);
+  for (int64_t b = 0; b < B; ++b) Format::unpack(tile + b * Format::TILE, out + UNPACKED_BLOCK * b);
+}
+
+// R rows of a group's x quads and facts (quantize_x) against a tile unpacked -> out[R][16].
+template <typename Format, int R>
+void int8_rows(const uint32_t* x, int64_t K, const float* facts, const uint8_t* unpacked, bool, float* out) {
+  const int64_t B = K / BLOCK_K;
+  const auto* blocks = reinterpret_cast<const __m512i*>(unpacked);
+  std::array<__m512, R> acc;
+  acc.fill(_mm512_setzero_ps());
+  for (int64_t b = 0; b < B; ++b) {
+    const __m512i* block = blocks + UNPACKED_BLOCK * b;
+    std::array<__m512i, R> s;
+    s.fill(_mm512_setzero_si512());
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c)
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) s[r] = Format::dot(s[r], block[c], x + (8 * b + c) * GROUP + r);
+    const __m512 d = _mm512_castsi512_ps(block[8]);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float* f = facts + (GROUP * b + r) * 2;
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(f[0]));
+      if constexpr (std::is_same_v<Format, Int8Q4>) {
+        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(block[9]), _mm512_set1_ps(f[1]), acc[r]);
+      } else {
+        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], block[9])), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE_N, acc[r]);
+}
+
+template <typename Format, int... Rs>
+constexpr RowsTable<uint32_t, sizeof...(Rs)> int8_rows_table(std::integer_sequence<int, Rs...>) {
+  return {int8_rows<Format, Rs + 1>...};
+}
+
+// x [M, K] bfloat16 -> quads in `Format`'s order and facts, each block's scale dx and sum X, by groups of GROUP rows
+// (a group's rows side by side: [groups][K/32 blocks][8 quads][GROUP rows], [groups][K/32][GROUP][2]), so that a
+// register block reads one stream of each; M rounded up to a whole group.
+template <typename Format>
+void quantize_x(const at::BFloat16* x, int64_t M, int64_t K, uint32_t* quads, float* facts) {
+  const int64_t B = K / BLOCK_K;
+  parallel_chunks(0, M * B, SERIAL_PREP / BLOCK_K, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t row = i / B, r = row % GROUP, slot = row / GROUP * B + i % B;  // its group's block
+      float v[BLOCK_K], amax = 0.f, sum = 0.f;
+      for (int64_t k = 0; k < BLOCK_K; ++k) {
+        v[k] = static_cast<float>(x[i * BLOCK_K + k]);
+        amax = std::max(amax, std::abs(v[k]));
+        sum += v[k];
+      }
+      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      int8_t q[BLOCK_K];
+      for (int64_t k = 0; k < BLOCK_K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inverse));
+      for (int c = 0; c < 8; ++c) quads[(slot * 8 + c) * GROUP + r] = Format::quad(q, c);
+      facts[2 * (slot * GROUP + r)] = amax / 127.f;
+      facts[2 * (slot * GROUP + r) + 1] = sum;
+    }
+  });
+}
+#else
+constexpr bool INT8_DOTS = false;
+#endif
+
+// Unpacks a tile's K/32 blocks into the weights its row functions read (a thread's scratch, 64-byte aligned).
+using UnpackFn = void (*)(const uint8_t* tile, int64_t B, void* unpacked);
+
+// A thread's scratch for unpacked tiles: 64-byte aligned, kept from call to call, grown when short.
+inline void* scratch(int64_t bytes) {
+  static thread_local std::unique_ptr<void, decltype(&std::free)> data{nullptr, &std::free};
+  static thread_local int64_t size = 0;
+  if (bytes > size) {
+    size = (bytes + 63) / 64 * 64;
+    data.reset(std::aligned_alloc(64, size));
+  }
+  return data.get();
+}
+
+// x [M, K] (row stride x_stride in X; xsum_stride floats of xsum a row) against the tiles -> y [M, N] (+ bias),
+// rows in groups of 4 R_MAX, each
 // work item a row group by adjacent tiles (row groups outer: a group's x stays in L2; tiles outer within an item: a
-// tile's weights stay in L1 over its row blocks)
+// tile's weights stay in L1 over its row blocks). With `unpack`, each tile is unpacked once an item (unpacked_bytes)
+// and the row functions read that.
 template <typename X, size_t R_MAX, typename Out>
 void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, int64_t M, int64_t K,
-               const float* xsum, const uint8_t* tiles, int64_t tile_bytes, const float* bias, Out* y, int64_t N) {
-  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = 4 * static_cast<int64_t>(R_MAX);
+               const float* xsum, int64_t xsum_stride, const uint8_t* tiles, int64_t tile_bytes, const float* bias,
+               Out* y, int64_t N, UnpackFn unpack = nullptr, int64_t unpacked_bytes = 0) {
+  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = (unpack ? 8 : 4) * static_cast<int64_t>(R_MAX);
   const int64_t row_groups = (M + item_rows - 1) / item_rows, threads = deal_threads();
   // about 2 items a thread: long contiguous streams for the hardware prefetcher (SmolLM2's 576x576 Q4_1 GEMV from
   // memory, 2 threads: 13-15 us against 22-24 with 8 items a thread), one left to share if a thread is preempted
@@ -359,12 +517,17 @@ void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, in
     const int64_t m_begin = item / tile_groups * item_rows, m_end = std::min(M, m_begin + item_rows);
     const int64_t t_begin = item % tile_groups * per_item, t_end = std::min(T, t_begin + per_item);
     float out[R_MAX * TILE_N];
+    void* unpacked = unpack ? scratch(unpacked_bytes) : nullptr;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t n = t * TILE_N, n_valid = std::min(TILE_N, N - n);
+      const uint8_t* weights = tiles + t * B * tile_bytes;
+      if (unpack) {
+        unpack(weights, B, unpacked);
+        weights = static_cast<const uint8_t*>(unpacked);
+      }
       for (int64_t m = m_begin; m < m_end; m += R_MAX) {
         const int64_t r_count = std::min<int64_t>(R_MAX, m_end - m);
-        rows[r_count - 1](x + m * x_stride, K, xsum ? xsum + m * B : nullptr, tiles + t * B * tile_bytes,
-                          m == m_begin, out);
+        rows[r_count - 1](x + m * x_stride, K, xsum ? xsum + m * xsum_stride : nullptr, weights, m == m_begin, out);
         for (int64_t r = 0; r < r_count; ++r)
           for (int64_t j = 0; j < n_valid; ++j)
             y[(m + r) * N + n + j] = narrow<Out>(out[r * TILE_N + j] + (bias ? bias[n + j] : 0.f));
@@ -392,8 +555,11 @@ void prepare(const In* x, int64_t M, int64_t K, float* widened, float* sums) {
   else parallel_chunks(0, blocks, SERIAL_PREP / BLOCK_K, run);
 }
 
-std::string quant_linear_path(int64_t bits, at::ScalarType dtype) {
-  return BF16_PAIRS && dtype == at::kBFloat16 ? "avx512bf16" : Lanes::ISA;
+// the code a call of `rows` rows runs
+std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows) {
+  if (dtype != at::kBFloat16) return Lanes::ISA;
+  if (INT8_DOTS && rows >= INT8_ROWS) return "avx512vnni-int8";
+  return BF16_PAIRS ? "avx512bf16" : Lanes::ISA;
 }
 
 // x [M, K] float32 or bfloat16 times tiles [ceil(N/16), K/32, 320 (bits 4) or 544 (bits 8)] uint8 (+ bias [N]
@@ -419,13 +585,29 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
   float* sp = q4 ? sums.data_ptr<float>() : nullptr;
   const auto* x_bf16 = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* y_bf16 = reinterpret_cast<at::BFloat16*>(y.data_ptr());
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (bf16 && M >= INT8_ROWS) {
+    const int64_t rows = (M + GROUP - 1) / GROUP * GROUP;
+    at::Tensor quads = at::empty({rows, K / 4}, x.options().dtype(at::kInt));
+    at::Tensor facts = at::empty({rows, B, 2}, x.options().dtype(at::kFloat));
+    auto* qp = reinterpret_cast<uint32_t*>(quads.data_ptr<int32_t>());
+    float* fp = facts.data_ptr<float>();
+    static constexpr auto Q4_INT8 = int8_rows_table<Int8Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+    static constexpr auto Q8_INT8 = int8_rows_table<Int8Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+    if (q4) quantize_x<Int8Q4>(x_bf16, M, K, qp, fp);
+    else quantize_x<Int8Q8>(x_bf16, M, K, qp, fp);
+    run_tiles(q4 ? Q4_INT8 : Q8_INT8, qp, K / 4, M, K, fp, 2 * B, tp, tile_bytes, bp, y_bf16, N,
+              q4 ? unpack_int8_tile<Int8Q4> : unpack_int8_tile<Int8Q8>, B * UNPACKED_BLOCK * 64);
+    return y;
+  }
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (bf16) {
     static constexpr auto Q4_PAIRS = pair_rows_table<Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
     static constexpr auto Q8_PAIRS = pair_rows_table<Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
     if (q4) prepare(x_bf16, M, K, nullptr, sp);
-    run_tiles(q4 ? Q4_PAIRS : Q8_PAIRS, reinterpret_cast<const uint32_t*>(x_bf16), K / 2, M, K, sp, tp, tile_bytes, bp,
-              y_bf16, N);
+    run_tiles(q4 ? Q4_PAIRS : Q8_PAIRS, reinterpret_cast<const uint32_t*>(x_bf16), K / 2, M, K, sp, B, tp, tile_bytes,
+              bp, y_bf16, N);
     return y;
   }
 #endif
@@ -440,8 +622,8 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
   static constexpr auto Q8_ROWS = float_rows_table<Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
   const auto& rows = q4 ? Q4_ROWS : Q8_ROWS;
   const float* xp = xf.data_ptr<float>();
-  if (bf16) run_tiles(rows, xp, K, M, K, sp, tp, tile_bytes, bp, y_bf16, N);
-  else run_tiles(rows, xp, K, M, K, sp, tp, tile_bytes, bp, y.data_ptr<float>(), N);
+  if (bf16) run_tiles(rows, xp, K, M, K, sp, B, tp, tile_bytes, bp, y_bf16, N);
+  else run_tiles(rows, xp, K, M, K, sp, B, tp, tile_bytes, bp, y.data_ptr<float>(), N);
   return y;
 }
 
@@ -457,5 +639,5 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def(OP("quant_linear") "(Tensor x, Tensor tiles, int bits, int N, Tensor? bias) -> Tensor", &quant_linear);
-  m.def(OP("quant_linear_path") "(int bits, ScalarType dtype) -> str", &quant_linear_path);
+  m.def(OP("quant_linear_path") "(int bits, ScalarType dtype, int rows) -> str", &quant_linear_path);
 }
