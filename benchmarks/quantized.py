@@ -38,6 +38,7 @@ TEXT_TOKENS, WINDOW = 2048, 512
 def systems() -> list[SystemSpec]:
     quantized = {"quantization": "gguf"}
     return [SystemSpec("kvloom-dequantized", "kvloom"), SystemSpec("kvloom-q4_1", "kvloom", engine=quantized),
+            SystemSpec("kvloom-q4_1-int8", "kvloom", engine={"quantization": "gguf-int8"}),
             SystemSpec("kvloom-serve-q4_1", "kvloom-serve", engine=quantized),
             SystemSpec("llama.cpp-q4_1", "llama.cpp", engine={"dtype": "q4_1"})]
 
@@ -63,9 +64,14 @@ def decode_step_bytes(**engine) -> int:
     return decoder.weight_bytes() - embed
 
 
+# quality's comparisons: name -> (dtype, quantization)
+QUALITY_RUNS = {"float32": ("float32", "gguf"), "bfloat16": ("bfloat16", "gguf"),
+                "bfloat16, int8": ("bfloat16", "gguf-int8")}
+
+
 def quality(prompts: list[list[int]]) -> dict:
-    """Greedy agreement and perplexity, quantized against de-quantized, in float32 (the exact kernel) and in bfloat16
-    (where prompts of 16 tokens or more run the int8 path on VNNI CPUs: x quantized a block at a time)."""
+    """Greedy agreement and perplexity, quantized against de-quantized in the same dtype: float32 and bfloat16 as
+    stored, and bfloat16 with int8 activations (`gguf-int8`: x quantized a block at a time on VNNI CPUs)."""
     from kvloom.benchmarks.workloads import load_tokenizer
     from kvloom.engine.llm import LLM
     from kvloom.engine.sampling import SamplingParams
@@ -80,9 +86,9 @@ def quality(prompts: list[list[int]]) -> dict:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     by_dtype = {}
-    for dtype in ("float32", "bfloat16"):
+    for label, (dtype, quantization) in QUALITY_RUNS.items():
         tokens, perplexity = {}, {}
-        for name, engine in (("dequantized", {}), ("q4_1", {"quantization": "gguf"})):
+        for name, engine in (("dequantized", {}), ("q4_1", {"quantization": quantization})):
             llm = LLM("smollm2", dtype=dtype, **engine)
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
             # each position's entry: (its token's rank, {token: logprob, its top alternatives...}), the token first
@@ -92,7 +98,7 @@ def quality(prompts: list[list[int]]) -> dict:
             del llm
             gc.collect()
         prefixes = [shared_prefix(a, b) for a, b in zip(tokens["q4_1"], tokens["dequantized"])]
-        by_dtype[dtype] = {"equal_prefix_tokens": prefixes, "perplexity": perplexity,
+        by_dtype[label] = {"equal_prefix_tokens": prefixes, "perplexity": perplexity,
                            "equal_share": sum(prefixes) / (len(prompts) * PARITY_TOKENS)}
     return {"prompts": len(prompts), "tokens": PARITY_TOKENS, "text": "Python's LICENSE.txt", "text_tokens": len(ids),
             **by_dtype}
@@ -123,9 +129,9 @@ def markdown(report: dict) -> str:
                          f"{m['peak_rss_mb'] or 0:.0f} |")
         lines.append("")
     q = report["quality"]
-    lines += ["## Quality", "", "Each dtype's Q4_1 run as stored against the de-quantized engine in that dtype "
-              "(bfloat16: prompts of 16 tokens or more run x in int8 where the CPU has VNNI).", ""]
-    for dtype in ("float32", "bfloat16"):
+    lines += ["## Quality", "", "Q4_1 run as stored against the de-quantized engine in the same dtype (`bfloat16, "
+              "int8`: `quantization: gguf-int8`, prompts of 16 tokens or more with x in int8 on VNNI CPUs).", ""]
+    for dtype in QUALITY_RUNS:
         d, pp = q[dtype], q[dtype]["perplexity"]
         lines += [f"- {dtype}: greedy tokens equal on {d['equal_share']:.1%} of {q['prompts']} prompts x {q['tokens']} "
                   f"tokens (before each prompt's first difference: {d['equal_prefix_tokens']}); perplexity of "
@@ -177,7 +183,9 @@ def goals(report: dict) -> list[str]:
                                                                       output_tok_s(w1, "llama.cpp-q4_1")), 2.0)
     line("W1 offline throughput, quantized over de-quantized", ratio(output_tok_s(w1, "kvloom-q4_1"),
                                                                     output_tok_s(w1, "kvloom-dequantized")), 1.0)
-    for dtype in ("float32", "bfloat16"):
+    line("W1 offline throughput, quantized with int8 activations over de-quantized",
+         ratio(output_tok_s(w1, "kvloom-q4_1-int8"), output_tok_s(w1, "kvloom-dequantized")), 1.0)
+    for dtype in QUALITY_RUNS:
         line(f"{dtype}: greedy tokens equal to the de-quantized engine's (share, as x)", q[dtype]["equal_share"], 0.9)
         pp = q[dtype]["perplexity"]
         line(f"{dtype}: perplexity, quantized over de-quantized", pp["q4_1"] / pp["dequantized"], 1.005,

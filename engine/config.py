@@ -121,9 +121,11 @@ class EngineConfig(BaseModel):
     # auto: kvloom's fused decoder (engine/model/decoder.py) where the architecture allows, else transformers'
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     # vLLM's key. gguf: a GGUF model's linears run as the file stores them (Q4_0, Q4_1, Q8_0: kvloom's quantized
-    # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); None: every weight de-quantized to
-    # `dtype`, which stays the activations' dtype either way
-    quantization: Literal["gguf"] | None = None
+    # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); gguf-int8: as gguf, and on CPUs with
+    # AVX512-VNNI a linear's bfloat16 activations of 16 rows or more are quantized to int8 a block of 32 at a time
+    # (llama.cpp's way): faster prefill and large batches, less exact; None: every weight de-quantized to `dtype`,
+    # which stays the activations' dtype either way
+    quantization: Literal["gguf", "gguf-int8"] | None = None
     seed: int = 0
     # ranks a replica's model is split over (Megatron-style, see engine/tensor_parallel/tp_shards.py); on one host they share
     # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one

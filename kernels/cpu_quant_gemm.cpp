@@ -22,11 +22,12 @@
 // Sums are float32, rounded once to bfloat16 (nearest even) for bfloat16 activations. Work items (rows x adjacent
 // tiles) are dealt from a shared counter as in kvloom's other kernels (cpu_deal.h).
 //
-// Many rows (INT8_ROWS and more) of bfloat16 x on CPUs with AVX512-VNNI run in int8 instead (int8_rows, below): the
-// per-block scaling above costs a conversion and two FMAs per row and block on top of 16 VDPBF16PS, so from ~12 rows
-// the de-quantized model's bfloat16 GEMM was faster; VPDPBUSD takes a block's 32 inputs by 16 outputs in 8
-// instructions. x is then quantized a block at a time (as llama.cpp's Q8 activations), so a row's result depends on
-// whether its call had INT8_ROWS rows, never on which rows besides; float32 x always runs the exact path.
+// Asked for (`quantization: gguf-int8`), calls of INT8_ROWS rows or more of bfloat16 x on CPUs with AVX512-VNNI run
+// in int8 instead (int8_rows, below): the per-block scaling above costs a conversion and two FMAs per row and block
+// on top of 16 VDPBF16PS, so from ~12 rows the de-quantized model's bfloat16 GEMM is faster, where VPDPBUSD takes a
+// block's 32 inputs by 16 outputs in 8 instructions. x is then quantized a block at a time (llama.cpp's way), which
+// costs accuracy (docs/performance.md, session 46), and a row's result depends on whether its call had INT8_ROWS
+// rows, never on which rows besides.
 //
 // Built for this CPU (-march=native), and by tests for the instruction sets below it (cpu_extensions.ISA_VARIANTS:
 // ops suffixed _avx512, _avx2, _generic), so each of its paths is tested where the host runs it.
@@ -556,16 +557,16 @@ void prepare(const In* x, int64_t M, int64_t K, float* widened, float* sums) {
 }
 
 // the code a call of `rows` rows runs
-std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows) {
+std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows, bool int8) {
   if (dtype != at::kBFloat16) return Lanes::ISA;
-  if (INT8_DOTS && rows >= INT8_ROWS) return "avx512vnni-int8";
+  if (INT8_DOTS && int8 && rows >= INT8_ROWS) return "avx512vnni-int8";
   return BF16_PAIRS ? "avx512bf16" : Lanes::ISA;
 }
 
 // x [M, K] float32 or bfloat16 times tiles [ceil(N/16), K/32, 320 (bits 4) or 544 (bits 8)] uint8 (+ bias [N]
-// float32) -> [M, N] of x's dtype
+// float32) -> [M, N] of x's dtype; int8: bfloat16 x of INT8_ROWS rows or more may run in int8 (where VNNI is)
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bits, int64_t N,
-                        const std::optional<at::Tensor>& bias) {
+                        const std::optional<at::Tensor>& bias, bool int8) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 (Q4_1, Q4_0) or 8 (Q8_0)");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (bf16 || x.scalar_type() == at::kFloat),
@@ -586,7 +587,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
   const auto* x_bf16 = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* y_bf16 = reinterpret_cast<at::BFloat16*>(y.data_ptr());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (bf16 && M >= INT8_ROWS) {
+  if (bf16 && int8 && M >= INT8_ROWS) {
     const int64_t rows = (M + GROUP - 1) / GROUP * GROUP;
     at::Tensor quads = at::empty({rows, K / 4}, x.options().dtype(at::kInt));
     at::Tensor facts = at::empty({rows, B, 2}, x.options().dtype(at::kFloat));
@@ -638,6 +639,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
 #endif
 
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
-  m.def(OP("quant_linear") "(Tensor x, Tensor tiles, int bits, int N, Tensor? bias) -> Tensor", &quant_linear);
-  m.def(OP("quant_linear_path") "(int bits, ScalarType dtype, int rows) -> str", &quant_linear_path);
+  m.def(OP("quant_linear") "(Tensor x, Tensor tiles, int bits, int N, Tensor? bias, bool int8=False) -> Tensor",
+        &quant_linear);
+  m.def(OP("quant_linear_path") "(int bits, ScalarType dtype, int rows, bool int8=False) -> str", &quant_linear_path);
 }

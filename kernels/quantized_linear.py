@@ -64,6 +64,7 @@ class QuantizedLinear:
     layout: Layout
     out_features: int
     variant: str | None = None  # the kernel build that runs it: this CPU's own, or an ISA variant (tests)
+    int8: bool = False  # bfloat16 x of many rows may run in int8 (CPU kernel, where VNNI is: cpu_quant_gemm.cpp)
 
     @property
     def packed(self) -> bool:
@@ -72,17 +73,19 @@ class QuantizedLinear:
 
     @classmethod
     def pack(cls, blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype, bias: torch.Tensor | None = None,
-             variant: str | None = None, device: torch.device = torch.device("cpu")) -> "QuantizedLinear":
+             variant: str | None = None, device: torch.device = torch.device("cpu"), int8: bool = False
+             ) -> "QuantizedLinear":
         """From a tensor's GGUF blocks [N, K/32 * block bytes] on the host, for activations of `dtype` on `device`:
-        on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs; elsewhere
-        the weight dequantized to `dtype` on `device` (done once here)."""
+        on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs (`int8`:
+        bfloat16 activations of 16 rows or more quantized to int8 where the CPU has VNNI); elsewhere the weight
+        dequantized to `dtype` on `device` (done once here)."""
         if device.type == "cuda":
             return cls.for_triton(blocks, qtype, bias, device)
         if device.type != "cpu" or quant_kernel(variant) is None:
             bias = None if bias is None else bias.detach().to(device, dtype)
             return cls(dequantize(blocks, qtype, dtype).to(device), bias, qtype, Layout.DENSE, blocks.shape[0])
         bias = None if bias is None else bias.detach().float().contiguous()
-        return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant)
+        return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant, int8)
 
     @classmethod
     def for_triton(cls, blocks: torch.Tensor, qtype: QuantType, bias: torch.Tensor | None, device: torch.device
@@ -102,4 +105,4 @@ class QuantizedLinear:
 
             return quant_matmul(x, self.weight, self.bias)
         op = getattr(torch.ops.kvloom, f"quant_linear_{self.variant}" if self.variant else "quant_linear")
-        return op(x.contiguous(), self.weight, self.qtype.bits, self.out_features, self.bias)
+        return op(x.contiguous(), self.weight, self.qtype.bits, self.out_features, self.bias, self.int8)

@@ -25,6 +25,12 @@ def _blocked_gemm() -> bool:
     return all(blocked_kernel_built(dtype) for dtype in (torch.float32, torch.bfloat16))
 
 
+def host_flags() -> frozenset[str]:
+    from kvloom.kernels.host_isa import host_isa
+
+    return host_isa().flags
+
+
 def _isa_variant(variant: str) -> bool:
     from kvloom.kernels.cpu_extensions import isa_variants
     from kvloom.kernels.host_isa import host_isa
@@ -38,6 +44,7 @@ HOST_FEATURES = {
     "avx512-build": ("kernels built for AVX-512 (x86-64-v4) run here", lambda: _isa_variant("avx512")),
     "avx2-build": ("kernels built for AVX2 (x86-64-v3) run here", lambda: _isa_variant("avx2")),
     "x86-64-build": ("kernels built for baseline x86-64 run here", lambda: _isa_variant("generic")),
+    "avx512-vnni": ("AVX-512 int8 dot products (VPDPBUSD)", lambda: {"avx512_vnni", "avx512bw"} <= host_flags()),
     "proc-threads": ("Linux /proc per-thread files", lambda: os.path.exists("/proc/self/task")),
     "sched-batch": ("Linux scheduling classes", lambda: hasattr(os, "SCHED_BATCH")),
     "cuda": ("a CUDA device", torch.cuda.is_available),

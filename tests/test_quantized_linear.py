@@ -53,10 +53,11 @@ def kernel(variant: str | None):
     return ops
 
 
-def path(variant: str | None, qtype: QuantType, dtype: torch.dtype, rows: int) -> str:
-    """The code a build runs for a call of `rows` rows."""
+def path(variant: str | None, qtype: QuantType, dtype: torch.dtype, rows: int, int8: bool = False) -> str:
+    """The code a build runs for a call of `rows` rows (`int8`: int8 activations asked for)."""
     ops = kernel(variant)
-    return getattr(ops, f"quant_linear_path_{variant}" if variant else "quant_linear_path")(qtype.bits, dtype, rows)
+    return getattr(ops, f"quant_linear_path_{variant}" if variant else "quant_linear_path")(qtype.bits, dtype, rows,
+                                                                                             int8)
 
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
@@ -92,9 +93,7 @@ def test_packed_tiles_give_back_every_weight_of_the_files_blocks(variant, name, 
 @pytest.mark.parametrize("outputs,inputs,with_bias", [(40, 96, False), (200, 1536, True)])
 def test_the_gemm_matches_dequantize_then_matmul_in_float64(variant, qtype, dtype, rows, outputs, inputs, with_bias):
     """Within 1e-5 of sum |x * w| (float32 sums over K) plus, for bfloat16 activations, 2^-8 of the result (its one
-    rounding to bfloat16); outputs not a multiple of the 16-output tile, every row-block size of each build. The int8
-    path (bfloat16 x of 16 rows or more where VNNI is) quantizes x a block of 32 at a time: its bound adds each
-    block's rounding, half a step (max|x|/127) times the block's sum |w|."""
+    rounding to bfloat16); outputs not a multiple of the 16-output tile, every row-block size of each build."""
     torch.manual_seed(rows)
     blocks = gguf_blocks(torch.randn(outputs, inputs) * 0.1, qtype)
     bias = torch.randn(outputs) if with_bias else None
@@ -107,45 +106,72 @@ def test_the_gemm_matches_dequantize_then_matmul_in_float64(variant, qtype, dtyp
     expected = x.double() @ weight.T + (0 if bias is None else bias.double())
     bound = x.double().abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
     rounding = 2 ** -8 * expected.abs() if dtype == torch.bfloat16 else 0
-    if path(variant, qtype, dtype, rows).endswith("-int8"):
-        step = x.double().unflatten(1, (-1, 32)).abs().amax(-1) / 127  # [rows, blocks]
-        rounding = rounding + 0.5 * step @ weight.abs().unflatten(1, (-1, 32)).sum(-1).T
     assert ((out.double() - expected).abs() <= 1e-5 * bound + rounding).all()
+
+
+@pytest.mark.host("avx512-vnni")
+@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [16, 17, 64])
+@pytest.mark.parametrize("outputs,inputs,with_bias", [(40, 96, False), (200, 1536, True)])
+def test_int8_activations_stay_within_their_own_rounding(qtype, rows, outputs, inputs, with_bias):
+    """`quantization: gguf-int8`: from 16 rows bfloat16 x is quantized to int8 a block of 32 at a time (a step of
+    max|x|/127) and multiplied with the file's integers by VPDPBUSD. Against dequantize-then-matmul in float64, the
+    error stays within each block's rounding (half a step times the block's sum |w|), the float32 sums' and the
+    result's rounding to bfloat16; fewer rows run the exact path."""
+    torch.manual_seed(rows)
+    blocks = gguf_blocks(torch.randn(outputs, inputs) * 0.1, qtype)
+    bias = torch.randn(outputs) if with_bias else None
+    linear = QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias, int8=True)
+    assert path(None, qtype, torch.bfloat16, rows, int8=True) == "avx512vnni-int8"
+    x = torch.randn(rows, inputs).bfloat16()
+    out = linear(x).double()
+    weight = dequantize(blocks, qtype, torch.float64)
+    expected = x.double() @ weight.T + (0 if bias is None else bias.double())
+    bound = x.double().abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
+    step = x.double().unflatten(1, (-1, 32)).abs().amax(-1) / 127  # [rows, blocks]
+    rounding = 0.5 * step @ weight.abs().unflatten(1, (-1, 32)).sum(-1).T
+    error = (out - expected).abs()
+    assert (error <= 1e-5 * bound + rounding + 2 ** -8 * expected.abs()).all()
+    assert not torch.equal(out, QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias)(x).double())  # int8 ran
+    few = x[:15]
+    assert torch.equal(linear(few), QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias)(few))
 
 
 @pytest.mark.parametrize("variant", BUILDS)
 @pytest.mark.parametrize("qtype", [QuantType.Q4_1, QuantType.Q8_0], ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(variant, qtype, dtype):
-    """The same bits for a row alone, in 3 rows or in 15, and in 17 rows or in 64 (each register block's size and the
-    tiles it runs side by side change with the rows; each output's sum keeps its order). Only the int8 path (bfloat16
-    x of 16 rows or more where VNNI is) computes otherwise: x quantized a block at a time."""
+    """The same bits for a row alone, in 3 rows or in 17 or in 64 (each register block's size and the tiles it runs
+    side by side change with the rows; each output's sum keeps its order): greedy text independent of the batch.
+    With int8 activations (VNNI), calls of 16 rows or more compute otherwise, and agree among themselves."""
     torch.manual_seed(0)
     blocks = gguf_blocks(torch.randn(200, 96), qtype)
     kernel(variant)
-    linear = QuantizedLinear.pack(blocks, qtype, dtype, variant=variant)
     x = torch.randn(64, 96).to(dtype)
-    few, many = linear(x[:15]), linear(x)
-    for rows in (slice(5, 6), slice(9, 12)):
-        assert torch.equal(linear(x[rows]), few[rows])
-    for rows in (slice(0, 17), slice(20, 60)):
-        assert torch.equal(linear(x[rows]), many[rows])
-    assert torch.equal(few, many[:15]) != path(variant, qtype, dtype, 64).endswith("-int8")
+    for int8 in (False, True):
+        linear = QuantizedLinear.pack(blocks, qtype, dtype, variant=variant, int8=int8)
+        batched = linear(x)
+        for rows in (slice(5, 6), slice(9, 12), slice(0, 17), slice(20, 60)):
+            alone = linear(x[rows])
+            same_path = path(variant, qtype, dtype, rows.stop - rows.start, int8) == path(variant, qtype, dtype, 64, int8)
+            assert torch.equal(alone, batched[rows]) or not same_path
 
 
 @pytest.mark.parametrize("variant", BUILDS)
 def test_each_build_runs_the_path_of_its_instruction_set(variant):
     """A variant runs its own instruction set's code; the native build, the best this CPU has: VDPBF16PS on bfloat16
-    pairs for bfloat16 activations where AVX512-BF16 is present, and from 16 rows VPDPBUSD on int8 where VNNI is."""
+    pairs for bfloat16 activations where AVX512-BF16 is present, and, int8 activations asked for, VPDPBUSD from 16
+    rows where VNNI is."""
     isa = host_isa()
     best = variant or ("avx512" if isa.avx512 else "avx2" if "avx2" in isa.flags else "generic")
     pairs = variant is None and isa.avx512_bf16
     int8 = variant is None and "avx512_vnni" in isa.flags
     for qtype in (QuantType.Q4_1, QuantType.Q8_0):
         assert path(variant, qtype, torch.float32, 1) == path(variant, qtype, torch.float32, 64) == best
-        assert path(variant, qtype, torch.bfloat16, 15) == ("avx512bf16" if pairs else best)
-        assert path(variant, qtype, torch.bfloat16, 16) == ("avx512vnni-int8" if int8 else
-                                                           "avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 64) == ("avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 15, int8=True) == ("avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 16, int8=True) == ("avx512vnni-int8" if int8 else
+                                                                      "avx512bf16" if pairs else best)
 
 
 @pytest.mark.parametrize("flags,machine,expected", [

@@ -111,3 +111,14 @@ def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, meth
     got = run(engine)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     assert engine.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_int8_activations_are_asked_for_by_name_and_reach_every_quantized_linear(tiny_gguf):
+    """`quantization: gguf-int8` sets every linear run as stored to take bfloat16 activations in int8 from 16 rows
+    (kernels: tests/test_quantized_linear.py); `gguf` leaves them exact. Both serve the same requests."""
+    model = tiny_gguf("llama")
+    for quantization, int8 in (("gguf", False), ("gguf-int8", True)):
+        engine = LLMEngine(model=model, dtype="bfloat16", max_model_len=128, quantization=quantization)
+        layer = engine.decoder.layers[0]
+        assert [linear.int8 for linear in (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)] == [int8] * 4
+        assert [len(tokens) for tokens, _ in run(engine)] == [GREEDY.max_tokens] * len(PROMPTS)

@@ -95,7 +95,8 @@ class FusedDecoder:
         if not config.tie_word_embeddings:
             self.lm_head = linear(["lm_head"])
         elif tied_blocks is not None:  # the table's own blocks: read as stored, the lookup reads the dense table
-            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device)
+            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device,
+                                                int8=quantized.int8_activations)
         elif self.head_shares_embedding:
             self.lm_head = PackedLinear.share(self.embed)
         else:
@@ -218,7 +219,7 @@ def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeigh
     blocks = quantized.blocks([f"{p}.weight" for p in prefixes]) if quantized is not None else None
     if blocks is not None and len({b is None for b in biases}) == 1:
         return QuantizedLinear.pack(*blocks, checkpoint.dtype, None if biases[0] is None else torch.cat(biases),
-                                    device=checkpoint.device)
+                                    device=checkpoint.device, int8=quantized.int8_activations)
     weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])

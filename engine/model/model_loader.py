@@ -56,10 +56,10 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
 
 
 def quantized_weights(model_dir: Path, quantization: str | None) -> QuantizedWeights | None:
-    """The GGUF blocks the decoder runs as stored, for `quantization: gguf`."""
+    """The GGUF blocks the decoder runs as stored, for `quantization: gguf` (or gguf-int8)."""
     if quantization is None:
         return None
-    quantized = QuantizedWeights.open(model_dir)
+    quantized = QuantizedWeights.open(model_dir, int8_activations=quantization == "gguf-int8")
     if quantized is None:
         raise ConfigError("quantization", f"{model_dir} was not converted from a GGUF file: it has no quantized "
                                           "weights to run as stored")

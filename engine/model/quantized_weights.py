@@ -23,15 +23,16 @@ logger = logging.getLogger(__name__)
 class QuantizedWeights:
     path: Path
     types: dict[str, str]  # every 2-D weight's GGUF type, by transformers name
+    int8_activations: bool = False  # `quantization: gguf-int8` (kernels/quantized_linear.py)
 
     @classmethod
-    def open(cls, model_dir: Path) -> "QuantizedWeights | None":
+    def open(cls, model_dir: Path, int8_activations: bool = False) -> "QuantizedWeights | None":
         """The model directory's quantized weights; None where it has none (not converted from a GGUF file)."""
         path = model_dir / QUANTIZED_FILE
         if not path.is_file():
             return None
         with safe_open(path, framework="pt") as f:
-            return cls(path, json.loads(f.metadata()["gguf_types"]))
+            return cls(path, json.loads(f.metadata()["gguf_types"]), int8_activations)
 
     def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None:
         """The weights `names` (side by side, as one linear computes them) as rows of GGUF blocks, if all are
