@@ -396,7 +396,10 @@ struct Int8Q8 {
   static void unpack(const uint8_t* block, __m512i* out) {
     static const __m512i interleave = [] {  // words of chunks 2i, 2i+1 -> a lane per output: inputs 4i..4i+3
       alignas(64) int16_t index[32];
-      for (int j = 0; j < 16; ++j) index[2 * j] = static_cast<int16_t>(j), index[2 * j + 1] = static_cast<int16_t>(16 + j);
+      for (int j = 0; j < 16; ++j) {
+        index[2 * j] = static_cast<int16_t>(j);
+        index[2 * j + 1] = static_cast<int16_t>(16 + j);
+      }
       return _mm512_load_si512(index);
     }();
     __m512i sums = _mm512_setzero_si512();
@@ -508,7 +511,8 @@ template <typename X, size_t R_MAX, typename Out>
 void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, int64_t M, int64_t K,
                const float* xsum, int64_t xsum_stride, const uint8_t* tiles, int64_t tile_bytes, const float* bias,
                Out* y, int64_t N, UnpackFn unpack = nullptr, int64_t unpacked_bytes = 0) {
-  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = (unpack ? 8 : 4) * static_cast<int64_t>(R_MAX);
+  // an unpacked tile serves twice the rows (its unpacking shared wider)
+  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = (unpack ? 8 : 4) * int64_t{R_MAX};
   const int64_t row_groups = (M + item_rows - 1) / item_rows, threads = deal_threads();
   // about 2 items a thread: long contiguous streams for the hardware prefetcher (SmolLM2's 576x576 Q4_1 GEMV from
   // memory, 2 threads: 13-15 us against 22-24 with 8 items a thread), one left to share if a thread is preempted

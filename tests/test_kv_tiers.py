@@ -201,7 +201,8 @@ def test_a_request_cancelled_while_its_blocks_load_frees_everything(tiny_model_d
     assert stats.kv_tiers["pinned_blocks"] == 0 and stats.kv_tiers["loads_in_flight"] == 0
     assert stats.num_free_blocks == stats.num_blocks and joined.kv.num_requests_holding == 0
     assert all(block.ref_cnt == 0 for block in joined.kv.pool.blocks)
-    assert not set(prompt_block_hashes(work[0], BLOCK)) & set(joined.kv.pool.cached)  # a cancelled load registers nothing
+    # a cancelled load registers nothing
+    assert not set(prompt_block_hashes(work[0], BLOCK)) & set(joined.kv.pool.cached)
 
 
 def test_on_cuda_a_load_copies_from_pinned_memory_on_its_own_stream_finished_before_the_load_is_done(
