@@ -34,6 +34,7 @@ from kvloom.kernels.packed_linear import HostKernels, Layout, PackedLinear, choo
 
 PROMPTS = [[5, 9, 13, 200], list(range(3, 80)), [7] * 33]
 GREEDY = SamplingParams(max_tokens=16, temperature=0)
+POOL = 1 << 24  # KV bytes: room for these prompts (zeroing the default 2 GiB costs every engine ~0.2 s)
 
 
 # a bfloat16 result differs from its float32 definition by at most one rounding (2^-8 relative)
@@ -216,7 +217,7 @@ def test_a_tied_float32_lm_head_reads_the_embedding_table_itself_where_onednn_ru
     lookup reads. Where kvloom's blocked kernel runs every linear, the head is a blocked copy (every GEMM of a
     step on kvloom's own threads)."""
     model_dir = build_tiny_model(tmp_path, tied=True)
-    engine = LLMEngine(dtype="float32", model=str(model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     fused = engine.decoder
     if host_layout(fused.embed) is Layout.BLOCKED:
         assert fused.lm_head.layout is Layout.BLOCKED and fused.runs_on_own_kernels()
@@ -230,7 +231,7 @@ def test_a_bfloat16_model_keeps_its_residual_and_norms_in_float32(tmp_path, buil
     """bfloat16 GEMMs (a tied head packed where a kernel of the CPU's runs bfloat16 fast: 2x the dense one),
     float32 residual stream and norm weights."""
     model_dir = build_tiny_model(tmp_path, tied=True)
-    engine = LLMEngine(dtype="bfloat16", model=str(model_dir), block_size=4)
+    engine = LLMEngine(dtype="bfloat16", model=str(model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     fused = engine.decoder
     assert fused.embed.dtype == torch.bfloat16 and fused.final_norm.dtype == torch.float32
     assert all(layer.input_norm.dtype == layer.post_attention_norm.dtype == torch.float32 for layer in fused.layers)
@@ -244,7 +245,8 @@ def test_a_bfloat16_model_keeps_its_residual_and_norms_in_float32(tmp_path, buil
 
 def test_the_mlp_in_row_passes_matches_generate(tiny_model_dir, monkeypatch, greedy_reference, drive):
     monkeypatch.setattr(decoder, "MLP_ROWS", 8)  # every prefill spans several passes, the last one partial
-    outputs = drive(LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4), PROMPTS, GREEDY)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
+    outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
 
@@ -263,7 +265,7 @@ class RowSpy:
 def test_the_last_layer_projects_and_runs_its_mlp_for_the_kept_rows_only(tiny_model_dir, keep):
     """A step's hidden states are read at its sample rows only (a prompt chunk's last row at most): the last
     layer still writes every row's K/V, and the kept rows' hidden states are those of the full pass."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     fused, runner = engine.decoder, engine.runner
     meta = AttentionMetadata.build([7, 5], [7, 5], [[0, 1], [2, 3]], 4, torch.device("cpu"))
     ids, positions = torch.tensor([5, 9, 13, 200, 7, 7, 7, 3, 4, 5, 6, 8]), torch.tensor([*range(7), *range(5)])
@@ -284,7 +286,7 @@ def test_the_last_layer_projects_and_runs_its_mlp_for_the_kept_rows_only(tiny_mo
 
 
 def test_an_untied_lm_head_is_packed(tiny_model_dir):
-    fused = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4).decoder
+    fused = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL).decoder
     assert fused.lm_head.packed == torch.backends.mkldnn.is_available()
 
 
@@ -308,7 +310,8 @@ def test_a_sharded_checkpoint_runs_fused_and_matches_generate(tmp_path, tiny_mod
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((tiny_model_dir / name).read_bytes())
     assert (sharded / "model.safetensors.index.json").is_file() and len(list(sharded.glob("*.safetensors"))) > 2
-    engine = LLMEngine(dtype="float32", model=str(sharded), block_size=4, model_impl="kvloom")
+    engine = LLMEngine(dtype="float32", model=str(sharded), block_size=4, kv_cache_memory_bytes=POOL,
+                       model_impl="kvloom")
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(tiny_model_dir, PROMPTS, 16)
 
@@ -366,7 +369,7 @@ def family_dirs(tmp_path_factory, build_tiny_model):
 
 @pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
 def test_each_family_matches_generate_under_auto(family_dirs, model_type, greedy_reference, drive):
-    engine = LLMEngine(dtype="float32", model=str(family_dirs[model_type]), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(family_dirs[model_type]), block_size=4, kv_cache_memory_bytes=POOL)
     assert type(engine.decoder) is (FusedDecoder if model_type == "qwen2" else StockDecoder)
     outputs = drive(engine, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(family_dirs[model_type], PROMPTS, 16)

@@ -2,7 +2,8 @@
 engine/model/quantized_weights.py). The weights are the file's exactly, so in float32 an engine running them as
 stored gives the de-quantized engine's tokens, and its logprobs to float32 rounding (the sums' order differs). A type
 kvloom cannot run as stored is de-quantized, said once; LoRA adapters and speculation work over a quantized base;
-models that did not come from a GGUF file, and tensor parallelism, are refused at start by name. The embedded SmolLM2 file: tests/test_parity_smollm2.py."""
+models that did not come from a GGUF file, and tensor parallelism, are refused at start by name. The embedded
+SmolLM2 file: tests/test_parity_smollm2.py."""
 
 import logging
 
@@ -17,6 +18,7 @@ from kvloom.kernels.quantized_linear import QuantizedLinear, quant_kernel
 
 PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+POOL = 1 << 24  # KV bytes: room for these prompts (zeroing the default 2 GiB costs every engine ~0.2 s)
 
 
 def run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
@@ -32,8 +34,8 @@ def run(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: biased q/k/v projections
 def test_linears_run_as_stored_give_the_dequantized_engines_tokens_and_logprobs(tiny_gguf, arch):
     model = tiny_gguf(arch)
-    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128))
-    engine = LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf")
+    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL))
+    engine = LLMEngine(model=model, dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL, quantization="gguf")
     layer = engine.decoder.layers[0]
     assert isinstance(layer.qkv, QuantizedLinear) and layer.qkv.qtype.name == "Q8_0"
     assert layer.gate_up.qtype.name == "Q4_1" and layer.down.qtype.name == "Q8_0"
@@ -48,9 +50,10 @@ def test_linears_run_as_stored_give_the_dequantized_engines_tokens_and_logprobs(
 
 def test_a_type_kvloom_cannot_run_as_stored_is_dequantized_and_said_once(tiny_gguf, caplog):
     model = tiny_gguf("llama", down_type="F16")
-    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128))
+    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL))
     with caplog.at_level(logging.INFO, logger="kvloom.engine.model.quantized_weights"):
-        engine = LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf")
+        engine = LLMEngine(model=model, dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL,
+                           quantization="gguf")
     said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
     assert len(said) == 1 and "F16" in said[0]
     assert not isinstance(engine.decoder.layers[0].down, QuantizedLinear)
@@ -80,7 +83,8 @@ def test_lora_adapters_on_a_quantized_base_give_the_dequantized_bases_tokens(tin
     names = [None, "attn", "mlp"]
 
     def run_with_adapters(**knobs) -> list[tuple[list[int], list[float]]]:
-        engine = LLMEngine(model=model, dtype="float32", max_model_len=128, lora={"adapters": adapters}, **knobs)
+        engine = LLMEngine(model=model, dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL,
+                           lora={"adapters": adapters}, **knobs)
         for i, (prompt, name) in enumerate((p, n) for p in PROMPTS for n in names):
             engine.add_request(f"r{i}", prompt, GREEDY, lora=name)
         done = {}
@@ -106,8 +110,10 @@ def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, meth
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1},
             "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": model}}[method]
-    expected = run(LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf"))
-    engine = LLMEngine(model=model, dtype="float32", max_model_len=128, quantization="gguf", speculative_config=spec)
+    quantized = {"model": model, "dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": POOL,
+                 "quantization": "gguf"}
+    expected = run(LLMEngine(**quantized))
+    engine = LLMEngine(**quantized, speculative_config=spec)
     got = run(engine)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     assert engine.spec_decode_stats.num_accepted_tokens > 0
@@ -118,7 +124,8 @@ def test_int8_activations_are_asked_for_by_name_and_reach_every_quantized_linear
     (kernels: tests/test_quantized_linear.py); `gguf` leaves them exact. Both serve the same requests."""
     model = tiny_gguf("llama")
     for quantization, int8 in (("gguf", False), ("gguf-int8", True)):
-        engine = LLMEngine(model=model, dtype="bfloat16", max_model_len=128, quantization=quantization)
+        engine = LLMEngine(model=model, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=POOL,
+                           quantization=quantization)
         layer = engine.decoder.layers[0]
         assert [linear.int8 for linear in (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)] == [int8] * 4
         assert [len(tokens) for tokens, _ in run(engine)] == [GREEDY.max_tokens] * len(PROMPTS)
