@@ -37,15 +37,15 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 #include <algorithm>
-#include <cmath>
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "cpu_deal.h"
@@ -410,6 +410,7 @@ struct Int8Q8 {
     out[8] = _mm512_castps_si512(Lanes::halves(block));
     out[9] = _mm512_slli_epi32(sums, 7);
   }
+  // x is VPDPBUSD's unsigned operand here, which cannot be a broadcast from memory: a broadcast of its own
   static __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {
     return _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(static_cast<int>(*x)), weights);
   }
@@ -503,15 +504,13 @@ inline void* scratch(int64_t bytes) {
 }
 
 // x [M, K] (row stride x_stride in X; xsum_stride floats of xsum a row) against the tiles -> y [M, N] (+ bias),
-// rows in groups of 4 R_MAX, each
-// work item a row group by adjacent tiles (row groups outer: a group's x stays in L2; tiles outer within an item: a
-// tile's weights stay in L1 over its row blocks). With `unpack`, each tile is unpacked once an item (unpacked_bytes)
-// and the row functions read that.
+// rows in groups of 4 R_MAX, each work item a row group by adjacent tiles (row groups outer: a group's x stays in L2;
+// tiles outer within an item: a tile's weights stay in L1 over its row blocks). With `unpack`, each tile is unpacked
+// once an item (unpacked_bytes), the row functions read that, and groups are of 8 R_MAX (the unpacking shared wider).
 template <typename X, size_t R_MAX, typename Out>
 void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, int64_t M, int64_t K,
                const float* xsum, int64_t xsum_stride, const uint8_t* tiles, int64_t tile_bytes, const float* bias,
                Out* y, int64_t N, UnpackFn unpack = nullptr, int64_t unpacked_bytes = 0) {
-  // an unpacked tile serves twice the rows (its unpacking shared wider)
   const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = (unpack ? 8 : 4) * int64_t{R_MAX};
   const int64_t row_groups = (M + item_rows - 1) / item_rows, threads = deal_threads();
   // about 2 items a thread: long contiguous streams for the hardware prefetcher (SmolLM2's 576x576 Q4_1 GEMV from
@@ -585,9 +584,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
   if (M == 0 || N == 0) return y;
   const auto* tp = tiles.data_ptr<uint8_t>();
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
-  const bool q4 = bits == 4;  // only Q4 needs x's block sums (its min)
-  at::Tensor sums = at::empty({q4 ? M : 0, B}, x.options().dtype(at::kFloat));
-  float* sp = q4 ? sums.data_ptr<float>() : nullptr;
+  const bool q4 = bits == 4;
   const auto* x_bf16 = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* y_bf16 = reinterpret_cast<at::BFloat16*>(y.data_ptr());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -606,6 +603,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
     return y;
   }
 #endif
+  // the exact paths: only Q4 needs x's block sums (its min)
+  at::Tensor sums = at::empty({q4 ? M : 0, B}, x.options().dtype(at::kFloat));
+  float* sp = q4 ? sums.data_ptr<float>() : nullptr;
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
   if (bf16) {
     static constexpr auto Q4_PAIRS = pair_rows_table<Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
