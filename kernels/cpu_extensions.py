@@ -38,7 +38,8 @@ CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-std=
 LDFLAGS = ["-fopenmp"]
 SOURCES = {"kvloom_cpu_decode": "cpu_decode.cpp", "kvloom_cpu_prefill": "cpu_prefill.cpp",
            "kvloom_cpu_fused": "cpu_fused.cpp", "kvloom_cpu_gemm": "cpu_gemm.cpp", "kvloom_cpu_pool": "cpu_pool.cpp",
-           "kvloom_cpu_lora": "cpu_lora.cpp", "kvloom_cpu_quant": "cpu_quant_gemm.cpp"}
+           "kvloom_cpu_lora": "cpu_lora.cpp", "kvloom_cpu_quant": "cpu_quant_gemm.cpp",
+           "kvloom_cpu_stack": "cpu_decode_stack.cpp"}
 HERE = Path(__file__).parent
 X86_64_V3 = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})
 # an x86-64 build below native: variant -> (its -march, the CPU flags it needs)

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: step times and a torch.profiler table at a few batch sizes.
 
     python -m kvloom.benchmarks.studies.profile_decode --dtype bfloat16 --batches 1,16,64
+    python -m kvloom.benchmarks.studies.profile_decode --dtype bfloat16 --quantization gguf --batches 1
 
 Each batch is that many requests with 256-token prompts, prefilled first; then decode steps are timed
 (median and best of 10) and 5 more are profiled. Results in benchmarks/results/decode-profile.md.
@@ -34,10 +35,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="gguf or gguf-int8: run the file's blocks as stored")
     parser.add_argument("--batches", default="1,16,64")
     parser.add_argument("--rows", type=int, default=12, help="profiler table rows")
     args = parser.parse_args()
-    engine = LLMEngine(model=args.model, dtype=args.dtype, max_model_len=2048)
+    engine = LLMEngine(model=args.model, dtype=args.dtype, max_model_len=2048, quantization=args.quantization)
     for batch in (int(b) for b in args.batches.split(",")):
         fill(engine, batch, f"b{batch}")
         for _ in range(3):

@@ -31,6 +31,7 @@ import torch
 
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.checkpoint import Checkpoint
+from kvloom.engine.model.decode_stack import DecodeStack
 from kvloom.engine.host_memory import release_pages
 from kvloom.engine.lora.lora_step import LoRAStep
 from kvloom.engine.model.model_config import ModelConfig
@@ -101,6 +102,9 @@ class FusedDecoder:
             self.lm_head = PackedLinear.share(self.embed)
         else:
             self.lm_head = PackedLinear.pack(self.embed)
+        # a decode-only step's layers in one C++ call, where every linear runs on the CPU on one device
+        self.stack = (DecodeStack.of(self.layers, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype)
+                      if checkpoint.device.type == "cpu" and isinstance(group, SingleDevice) else None)
 
     @staticmethod
     def unsupported(config: ModelConfig, checkpoint: Checkpoint | None) -> str | None:
@@ -146,6 +150,8 @@ class FusedDecoder:
         # each sublayer's output joins the residual in the same pass that normalizes it for the next one
         next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
         hidden = add_rms_norm_(residual, None, layers[0].input_norm, eps, dtype)
+        if self.stack is not None and keep_rows is None and self.stack.runs(context, num_tokens, MLP_ROWS):
+            return self.stack(residual, hidden, cos, sin, context, len(layers), self.final_norm, self.scale, eps)
         last = len(layers) - 1
         for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(zip(layers, next_norms, context.kv_caches)):
             qkv = layer.qkv(hidden)
