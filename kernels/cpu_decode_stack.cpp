@@ -87,6 +87,13 @@ at::Tensor paged_decode(const at::Tensor& query, const at::Tensor& key_cache, co
   return handle.call(query, key_cache, value_cache, block_tables, seq_lens, scale);
 }
 
+void lora_add_(const at::Tensor& y, const at::Tensor& x, const at::Tensor& tables, const at::Tensor& rows,
+               int64_t linear) {
+  static const auto handle = op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     int64_t, int64_t)>("kvloom::lora_add_");
+  handle.call(y, x, tables, rows, linear, 0);
+}
+
 at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   static const auto handle = op<at::Tensor(const at::Tensor&)>("kvloom::silu_and_mul");
   return handle.call(gate_up);
@@ -94,13 +101,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // Layers 0..L-1 (L = len(key_caches)) of a step whose T rows are each one request's one new token. `hidden`: layer
 // 0's normalized input, `residual` [T, hidden] float32 updated in place; the linears four a layer (qkv, o_proj,
-// gate|up, down) as (kind, weight, bias, out features, bits); the last layer's output is normalized by `final_norm`.
-// Returns the normalized hidden states after layer L-1, as the Python loop does.
+// gate|up, down) as (kind, weight, bias, out features, bits), each followed by its LoRA deltas where `lora_tables`
+// and `lora_rows` are given (cpu_lora.cpp's lora_add_; table row 4 * layer + linear); the last layer's output is
+// normalized by `final_norm`. Returns the normalized hidden states after layer L-1, as the Python loop does.
 at::Tensor decode_stack(const at::Tensor& residual, const at::Tensor& hidden, const at::Tensor& cos,
                         const at::Tensor& sin, at::TensorList input_norms, at::TensorList post_norms,
                         const at::Tensor& final_norm, at::TensorList key_caches, at::TensorList value_caches,
                         const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                        at::IntArrayRef kinds, at::TensorList weights, const c10::List<OptionalTensor>& biases,
+                        const OptionalTensor& lora_tables, const OptionalTensor& lora_rows, at::IntArrayRef kinds, at::TensorList weights, const c10::List<OptionalTensor>& biases,
                         at::IntArrayRef out_features, at::IntArrayRef bits, int64_t heads, int64_t kv_heads,
                         int64_t head_dim, double scale, double eps, at::ScalarType dtype) {
   const int64_t L = static_cast<int64_t>(key_caches.size()), T = residual.size(0);
@@ -114,8 +122,11 @@ at::Tensor decode_stack(const at::Tensor& residual, const at::Tensor& hidden, co
   TORCH_CHECK(hidden.size(0) == T && slot_mapping.size(0) == T && block_tables.size(0) == T && seq_lens.size(0) == T,
               "decode_stack: one new token a request");
   const int64_t q_width = heads * head_dim, kv_width = kv_heads * head_dim;
+  TORCH_CHECK(lora_tables.has_value() == lora_rows.has_value(), "decode_stack: LoRA tables come with their rows");
   const auto run = [&](int64_t index, const at::Tensor& x) {
-    return linear(x, kinds[index], weights[index], biases.get(index), out_features[index], bits[index]);
+    at::Tensor y = linear(x, kinds[index], weights[index], biases.get(index), out_features[index], bits[index]);
+    if (lora_tables.has_value()) lora_add_(y, x, *lora_tables, *lora_rows, index);
+    return y;
   };
   at::Tensor normed = hidden;
   for (int64_t i = 0; i < L; ++i) {
@@ -140,7 +151,8 @@ at::Tensor decode_stack(const at::Tensor& residual, const at::Tensor& hidden, co
 TORCH_LIBRARY_FRAGMENT(kvloom, m) {
   m.def("decode_stack(Tensor(a!) residual, Tensor hidden, Tensor cos, Tensor sin, Tensor[] input_norms, "
         "Tensor[] post_norms, Tensor final_norm, Tensor(b!)[] key_caches, Tensor(c!)[] value_caches, "
-        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int[] kinds, Tensor[] weights, Tensor?[] biases, "
-        "int[] out_features, int[] bits, int heads, int kv_heads, int head_dim, float scale, float eps, ScalarType dtype) -> Tensor",
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor? lora_tables, Tensor? lora_rows, "
+        "int[] kinds, Tensor[] weights, Tensor?[] biases, int[] out_features, int[] bits, int heads, int kv_heads, "
+        "int head_dim, float scale, float eps, ScalarType dtype) -> Tensor",
         &decode_stack);
 }

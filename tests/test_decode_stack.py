@@ -1,15 +1,17 @@
 """A decode-only CPU step's layers run in one C++ call (engine/model/decode_stack.py), which calls the Python layer
 loop's own ops in its order: the same hidden states and K/V bit for bit, for every way a linear runs (kvloom's
-blocked kernel, oneDNN's packed or shared layout, dense, GGUF blocks as stored, int8 activations), for the first
-layers only (layer-skip drafting), and through an engine's whole generation. Steps it does not cover (prompt chunks,
-LoRA rows) keep the loop."""
+blocked kernel, oneDNN's packed or shared layout, dense, GGUF blocks as stored, int8 activations), with LoRA rows of
+several adapters, for the first layers only (layer-skip drafting), and through an engine's whole generation. Steps
+with prompt chunks keep the loop."""
 
 import pytest
 import torch
 
+from kvloom.benchmarks.random_weights import write_random_adapter
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.engine.model.decode_stack import DecodeStack
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels import packed_linear
 from kvloom.kernels.metadata import AttentionMetadata
@@ -100,16 +102,17 @@ def test_the_stack_gives_the_layer_loops_bits_for_gguf_blocks_run_as_stored(tiny
     assert_stack_matches_the_loop(quantized_engine(tiny_gguf, dtype, quantization))
 
 
-def generate(engine: LLMEngine, stack: DecodeStack | None) -> list:
-    """Greedy tokens and top-3 logprobs of PROMPTS on a fresh engine, the third joining while the others decode."""
+def generate(engine: LLMEngine, stack: DecodeStack | None, adapters: list[str | None] = (None, None, None)) -> list:
+    """Greedy tokens and top-3 logprobs of PROMPTS (under `adapters`) on a fresh engine, the third joining while the
+    others decode."""
     engine.decoder.stack = stack
     for i, prompt in enumerate(PROMPTS[:2]):
-        engine.add_request(f"r{i}", prompt, SAMPLING)
+        engine.add_request(f"r{i}", prompt, SAMPLING, lora=adapters[i])
     outputs, steps = {}, 0
     while engine.has_unfinished():
         steps += 1
         if steps == 4:
-            engine.add_request("r2", PROMPTS[2], SAMPLING)
+            engine.add_request("r2", PROMPTS[2], SAMPLING, lora=adapters[2])
         outputs |= {out.request_id: out.outputs[0] for out in engine.step() if out.finished}
     return [(outputs[f"r{i}"].token_ids, outputs[f"r{i}"].logprobs) for i in range(3)]
 
@@ -121,6 +124,25 @@ def test_an_engine_generates_the_same_tokens_and_logprobs_with_the_stack_as_with
     with_stack = generate(engine, stack)
     assert stack.calls >= SAMPLING.max_tokens - 2  # the steps where every row decodes
     assert with_stack == generate(quantized_engine(tiny_gguf, dtype, "gguf"), None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lora_rows_of_two_adapters_and_the_base_get_the_loops_deltas(tiny_model_dir, tmp_path, dtype):
+    config = ModelConfig.from_dir(tiny_model_dir)
+    adapters = {name: str(write_random_adapter(tmp_path / name, config, rank, seed=seed, targets=targets))
+                for seed, (name, rank, targets) in enumerate([("qv", 4, ("q_proj", "v_proj")),
+                                                              ("all", 8, ("q_proj", "k_proj", "v_proj", "o_proj",
+                                                                          "gate_proj", "up_proj", "down_proj"))])}
+
+    def engine() -> LLMEngine:
+        return LLMEngine(model=str(tiny_model_dir), dtype=dtype, block_size=4, kv_cache_memory_bytes=POOL,
+                         lora={"adapters": adapters, "max_loras": 2})
+
+    ours = engine()
+    stack = CountingStack(ours.decoder.stack)
+    with_stack = generate(ours, stack, ["all", None, "qv"])
+    assert stack.calls >= SAMPLING.max_tokens - 2
+    assert with_stack == generate(engine(), None, ["all", None, "qv"])
 
 
 def test_steps_with_prompt_chunks_or_more_rows_than_an_mlp_pass_keep_the_loop(tiny_model_dir):

@@ -3,21 +3,24 @@
 At batch 1 a layer's ~12 ops cost more in Python (wrappers, torch.ops dispatch, views) than in their own work:
 on SmolLM2 with Q4_1 weights run as stored, the 30 layers' loop took ~4.8 ms a step where its ops' own time
 is ~3.5 ms (docs/performance.md). The C++ op calls the same ops in the same order, so its output is the loop's
-bit for bit; it runs a step whose every row is one request's one new token, on the CPU attention backend, with
-no LoRA rows and on one device. Every other step (prompt chunks, speculation's verification, adapters, tensor
-parallelism, LoRA) keeps the Python loop.
+bit for bit; it runs a step whose every row is one request's one new token, on the CPU attention backend and one
+device, LoRA deltas added by their C++ op where the step's adapters are laid out for it. Every other step (prompt
+chunks, speculation's verification, tensor parallelism) keeps the Python loop.
 """
 
 from dataclasses import dataclass
 
 import torch
 
+from kvloom.engine.lora.lora_step import LINEAR_INDEX
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.kernels.cpu_attention import CACHE_DTYPES, QUERY_DTYPES, decode_extension
 from kvloom.kernels.cpu_extensions import build_extension
 from kvloom.kernels.packed_linear import Layout, PackedLinear
 from kvloom.kernels.quantized_linear import QuantizedLinear
 
+LINEARS = ("qkv", "o_proj", "gate_up", "down")  # a layer's, in the op's order: LoRA's table rows are 4 * layer + this
+assert tuple(LINEAR_INDEX) == LINEARS, "the op adds LoRA table row 4 * layer + linear: the orders must agree"
 LINEAR_KINDS = {Layout.BLOCKED: 2, Layout.ONEDNN: 3, Layout.SHARED: 3, Layout.DENSE: 4}  # cpu_decode_stack.cpp's
 QUANTIZED, QUANTIZED_INT8 = 0, 1
 
@@ -51,7 +54,7 @@ class DecodeStack:
     def of(cls, layers: list, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> "DecodeStack | None":
         """For FusedLayers of one device's whole model, or None where the op cannot run them (see `_kind`), the
         kernels are not built, or the attention kernel has no code for these heads."""
-        linears = [linear for layer in layers for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+        linears = [getattr(layer, name) for layer in layers for name in LINEARS]
         kinds = [_kind(linear) for linear in linears]
         decode = decode_extension()
         if (None in kinds or dtype not in QUERY_DTYPES or dtype not in CACHE_DTYPES or decode is None
@@ -66,10 +69,10 @@ class DecodeStack:
             heads=heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype)
 
     def runs(self, context: ForwardContext, num_tokens: int, max_rows: int) -> bool:
-        """Whether this step is one the op runs: one new token a request, no LoRA rows, the CPU backend, a cache of
-        the model's dtype (written as it is), at most `max_rows` rows (the MLP's pass)."""
-        meta = context.meta
-        return (meta.max_query_len == 1 and num_tokens <= max_rows and not context.lora
+        """Whether this step is one the op runs: one new token a request, the CPU backend, a cache of the model's dtype
+        (written as it is), at most `max_rows` rows (the MLP's pass), adapters (if any) laid out for the C++ op."""
+        meta, lora = context.meta, context.lora
+        return (meta.max_query_len == 1 and num_tokens <= max_rows and (not lora or lora.op_tables is not None)
                 and context.backend.name == "cpu" and context.kv_caches[0][0].dtype == self.dtype)
 
     def __call__(self, residual: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -78,8 +81,9 @@ class DecodeStack:
         """The first `num_layers` layers on layer 0's normalized input `hidden` (residual updated in place); the
         last layer's output normalized by `final_norm`."""
         meta, caches = context.meta, context.kv_caches[:num_layers]
+        lora_tables, lora_rows = context.lora.op_tables if context.lora else (None, None)
         return torch.ops.kvloom.decode_stack(
             residual, hidden, cos, sin, self.input_norms, self.post_norms, final_norm,
             [key for key, _ in caches], [value for _, value in caches], meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, self.kinds, self.weights, self.biases, self.out_features, self.bits, self.heads,
+            meta.seq_lens, lora_tables, lora_rows, self.kinds, self.weights, self.biases, self.out_features, self.bits, self.heads,
             self.kv_heads, self.head_dim, scale, eps, self.dtype)
