@@ -22,6 +22,7 @@ from kvloom.engine.sampling import SamplingParams
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+POOL = 1 << 24  # KV bytes: room for these prompts (zeroing the default 2 GiB costs every engine ~0.2 s)
 # four adapters unlike each other: ranks, and which of the seven projections they patch
 SHAPES = {
     "qv-r4": (4, ("q_proj", "v_proj")),
@@ -90,7 +91,8 @@ def test_a_mixed_batch_of_four_adapters_and_the_base_equals_peft_merged_on_a_tin
         tiny_model_dir, adapters, prompts, expected):
     names = [None, *adapters]
     assert all(expected[name] != expected[None] for name in adapters)  # each adapter changes what is generated
-    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, lora={"adapters": adapters, "max_loras": 4})
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=POOL,
+              lora={"adapters": adapters, "max_loras": 4})
     batch, batch_names = mixed_batch(names, prompts)
     got = tokens(llm.generate(batch, GREEDY, lora=batch_names))
     assert got == [expected[name][prompts.index(prompt)] for prompt, name in zip(batch, batch_names)]
@@ -118,8 +120,8 @@ def test_a_chunked_prefill_step_mixing_prompts_and_decodes_of_several_adapters_k
         tiny_model_dir, adapters, prompts, expected, drive):
     """Small token budget: prompt chunks of one adapter run beside decode rows of others, and the MLP's row
     windows and the last layer's kept rows cut across adapters' segments."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, max_num_batched_tokens=24,
-                       max_num_seqs=24, lora={"adapters": adapters, "max_loras": 4})
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
+                       max_num_batched_tokens=24, max_num_seqs=24, lora={"adapters": adapters, "max_loras": 4})
     names = [None, *adapters]
     outputs = {}
     for step in range(10_000):
@@ -133,7 +135,7 @@ def test_a_chunked_prefill_step_mixing_prompts_and_decodes_of_several_adapters_k
 
 
 def test_the_same_prompt_under_two_adapters_shares_no_kv_block(tiny_model_dir, adapters, prompts):
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
                        lora={"adapters": adapters, "max_loras": 2})
     prompt, ids = prompts[-1], itertools.count()  # 40 tokens: ten full blocks
 
@@ -157,7 +159,8 @@ def test_a_requests_adapter_goes_with_its_kv_to_a_decode_engine_and_with_its_tok
     from kvloom.engine.kv_handoff import export_kv, import_kv
 
     def engine() -> LLMEngine:
-        return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, lora={"adapters": adapters})
+        return LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
+                         lora={"adapters": adapters})
 
     def finish(engine: LLMEngine) -> list[int]:
         done = []
@@ -189,7 +192,7 @@ def test_adapter_slots_bound_the_running_batch_and_evicted_adapters_come_back_wi
         tiny_model_dir, adapters, prompts, expected):
     """max_loras 1: never two adapters in one step, yet no request waits forever; max_cpu_loras 1: every switch
     reads the adapter from its directory again."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
                        lora={"adapters": adapters, "max_loras": 1, "max_cpu_loras": 1})
     names = [None, *adapters]
     batch, batch_names = mixed_batch(names, prompts)
@@ -213,7 +216,7 @@ def test_a_steady_stream_for_one_adapter_gives_up_its_slot_to_a_waiting_one_afte
     """max_loras 1 and a new request for one adapter every step, so its slot never empties by itself: past its
     tenure it takes no request from behind the one waiting for another adapter, drains, and the waiting one gets the
     slot (within its tenure, an hour here, it would keep it for the whole test). Every request is served."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
                        lora={"adapters": adapters, "max_loras": 1, "slot_tenure_s": tenure_s})
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     finished, other_started = set(), None
@@ -235,7 +238,7 @@ def test_a_steady_stream_for_one_adapter_gives_up_its_slot_to_a_waiting_one_afte
 
 def test_ngram_speculation_under_an_adapter_keeps_its_greedy_tokens(tiny_model_dir, adapters, prompts, expected):
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, speculative_config=ngram,
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=POOL, speculative_config=ngram,
               lora={"adapters": adapters})
     names = [None, *adapters]
     batch, batch_names = mixed_batch(names, prompts)
@@ -247,7 +250,7 @@ def test_ngram_speculation_under_an_adapter_keeps_its_greedy_tokens(tiny_model_d
 def test_adapters_come_and_go_at_run_time_and_a_request_holding_an_unloaded_one_still_finishes(
         tiny_model_dir, adapters, prompts, expected, tmp_path):
     shutil.copytree(adapters["mlp-r16"], tmp_path / "dynamic" / "from-dir")
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
                        lora={"dynamic_loading_path": str(tmp_path / "dynamic")})
     assert engine.adapters.names() == ["from-dir"]
     engine.adapters.load("late", adapters["o-r2"])
@@ -265,7 +268,7 @@ def test_adapters_come_and_go_at_run_time_and_a_request_holding_an_unloaded_one_
 
 
 def test_bad_adapters_are_refused_by_name_and_field(tiny_model_dir, adapters, tmp_path, build_tiny_model):
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4,
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
                        lora={"max_lora_rank": 8, "dynamic_loading_path": str(tmp_path)})
     with pytest.raises(AdapterNotFoundError, match="'nobody'") as unknown:
         engine.add_request("a", [5, 6, 7], GREEDY, lora="nobody")
@@ -283,11 +286,12 @@ def test_bad_adapters_are_refused_by_name_and_field(tiny_model_dir, adapters, tm
     with pytest.raises(InvalidRequestError, match="DoRA"):
         engine.add_request("b", [5, 6, 7], GREEDY, lora="dora")  # found under the dynamic path, refused on read
     with pytest.raises(AdapterNotFoundError):
-        LLMEngine(dtype="float32", model=str(tiny_model_dir)).add_request("c", [5], GREEDY, lora="qv-r4")
+        LLMEngine(dtype="float32", model=str(tiny_model_dir), kv_cache_memory_bytes=POOL).add_request(
+            "c", [5], GREEDY, lora="qv-r4")
     assert engine.stats().num_running == 0 and not engine.has_unfinished()  # nothing was queued
     with pytest.raises(ConfigError, match="lora.adapters.wide"):
-        LLMEngine(dtype="float32", model=str(tiny_model_dir), lora={"adapters": {"wide": adapters["mlp-r16"]},
-                                                                     "max_lora_rank": 8})
+        LLMEngine(dtype="float32", model=str(tiny_model_dir), kv_cache_memory_bytes=POOL,
+                  lora={"adapters": {"wide": adapters["mlp-r16"]}, "max_lora_rank": 8})
 
 
 def test_an_adapter_replaced_between_its_check_and_its_read_is_a_400_not_a_crash(tiny_model_dir, adapters,
@@ -296,7 +300,8 @@ def test_an_adapter_replaced_between_its_check_and_its_read_is_a_400_not_a_crash
     tensors read in its place) is refused by name, and the engine goes on serving."""
     import kvloom.engine.lora.adapter as adapter_module
 
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, lora={"max_lora_rank": 16})
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
+                       lora={"max_lora_rank": 16})
     read = adapter_module.load_file
     monkeypatch.setattr(adapter_module, "load_file", lambda path: read(Path(adapters["mlp-r16"]) / path.name))
     with pytest.raises(InvalidRequestError, match="changed while it was read") as swapped:

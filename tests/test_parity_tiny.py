@@ -16,6 +16,7 @@ from kvloom.engine.sampling import SamplingParams
 
 MAX_NEW = 24
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+POOL = 1 << 24  # KV bytes: room for these prompts (zeroing the default 2 GiB costs every engine ~0.2 s)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,15 @@ def tokens(outputs):
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
 def test_one_concurrent_batch_matches_generate(tiny_model_dir, prompts, expected, drive, backend, model_impl):
     """Both forwards: kvloom's fused decoder and the stock model with paged attention plugged in."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, attention_backend=backend, model_impl=model_impl)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
+                       attention_backend=backend, model_impl=model_impl)
     assert isinstance(engine.decoder, FusedDecoder) == (model_impl == "kvloom")
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 
 def test_chunked_prefill_matches_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, max_num_batched_tokens=32, max_num_seqs=16)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL,
+                       max_num_batched_tokens=32, max_num_seqs=16)
     assert tokens(drive(engine, prompts, GREEDY)) == expected
 
 
@@ -65,7 +68,7 @@ def test_preemption_by_recompute_matches_generate(tiny_model_dir, prompts, expec
 
 
 def test_prefix_cache_hits_match_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     late = {0: [1], 3: [i for i in range(len(prompts)) if i != 1]}
     assert tokens(drive(engine, prompts, GREEDY, late)) == expected
     assert engine.stats().prefix_cache_hits > 0
@@ -74,7 +77,7 @@ def test_prefix_cache_hits_match_generate(tiny_model_dir, prompts, expected, dri
 def test_choices_forking_a_siblings_prompt_match_generate(tiny_model_dir, prompts, expected):
     """n > 1: choice 1 arrives once choice 0 has its first token (as the router sends them) and forks its
     prompt's KV (full blocks shared, a partial last block copied): it computes only the prompt's last token."""
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"first{i}", prompt, GREEDY)
     finished = {}
@@ -93,7 +96,7 @@ def test_choices_forking_a_siblings_prompt_match_generate(tiny_model_dir, prompt
 
 
 def test_requests_added_mid_decode_match_generate(tiny_model_dir, prompts, expected, drive):
-    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=8)
+    engine = LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=8, kv_cache_memory_bytes=POOL)
     half = len(prompts) // 2
     arrivals = {0: list(range(half)), 5: list(range(half, len(prompts) - 2)), 11: [len(prompts) - 2, len(prompts) - 1]}
     assert tokens(drive(engine, prompts, GREEDY, arrivals)) == expected
