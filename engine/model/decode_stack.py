@@ -62,7 +62,8 @@ class DecodeStack:
                 or build_extension("kvloom_cpu_fused") is None or build_extension("kvloom_cpu_stack") is None):
             return None
         return cls(
-            input_norms=[layer.input_norm for layer in layers], post_norms=[layer.post_attention_norm for layer in layers],
+            input_norms=[layer.input_norm for layer in layers],
+            post_norms=[layer.post_attention_norm for layer in layers],
             kinds=kinds, weights=[linear.weight for linear in linears], biases=[linear.bias for linear in linears],
             out_features=[linear.out_features for linear in linears],
             bits=[linear.qtype.bits if isinstance(linear, QuantizedLinear) else 0 for linear in linears],
@@ -85,5 +86,5 @@ class DecodeStack:
         return torch.ops.kvloom.decode_stack(
             residual, hidden, cos, sin, self.input_norms, self.post_norms, final_norm,
             [key for key, _ in caches], [value for _, value in caches], meta.slot_mapping, meta.block_tables,
-            meta.seq_lens, lora_tables, lora_rows, self.kinds, self.weights, self.biases, self.out_features, self.bits, self.heads,
-            self.kv_heads, self.head_dim, scale, eps, self.dtype)
+            meta.seq_lens, lora_tables, lora_rows, self.kinds, self.weights, self.biases, self.out_features,
+            self.bits, self.heads, self.kv_heads, self.head_dim, scale, eps, self.dtype)
