@@ -123,9 +123,11 @@ class EngineConfig(BaseModel):
     # vLLM's key. gguf: a GGUF model's linears run as the file stores them (Q4_0, Q4_1, Q8_0: kvloom's quantized
     # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); gguf-int8: as gguf, and on CPUs with
     # AVX512-VNNI a linear's bfloat16 activations of 16 rows or more are quantized to int8 a block of 32 at a time
-    # (llama.cpp's way): faster prefill and large batches, less exact; None: every weight de-quantized to `dtype`,
-    # which stays the activations' dtype either way
-    quantization: Literal["gguf", "gguf-int8"] | None = None
+    # (llama.cpp's way): faster prefill and large batches, less exact; fp8: any checkpoint's layer linears quantized
+    # at load to float8 with a scale an output, activations a scale a row on each call (kernels/fp8_linear.py: FP8
+    # tensor cores on Ada and Hopper GPUs); None: every weight in `dtype` (a GGUF model's de-quantized), which stays
+    # the activations' dtype either way
+    quantization: Literal["gguf", "gguf-int8", "fp8"] | None = None
     seed: int = 0
     # ranks a replica's model is split over (Megatron-style, see engine/tensor_parallel/tp_shards.py); on one host they share
     # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one
@@ -176,7 +178,7 @@ class EngineConfig(BaseModel):
             raise ValueError("kv_tiers: not with tensor_parallel_size > 1 yet (each rank holds a share of a block)")
         if self.quantization is not None:
             raise ValueError("quantization: not with tensor_parallel_size > 1 yet (a rank's share of a row would "
-                             "split GGUF blocks)")
+                             "split GGUF blocks and FP8 scales)")
         return self
 
     @model_validator(mode="after")

@@ -41,6 +41,7 @@ class Layout(enum.Enum):
     BLOCKED = "blocked"  # [ceil(out/32), in/E, 32, E], E inputs a 32-bit word: cpu_gemm.cpp's blocked_linear
     QUANTIZED = "quantized"  # GGUF blocks in tiles of 16 outputs: quantized_linear.py (cpu_quant_gemm.cpp)
     TRITON_QUANTIZED = "triton-quantized"  # GGUF blocks' fields on CUDA: triton_quant_gemm.py
+    FP8 = "fp8"  # float8 weights and a scale an output: fp8_linear.py
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TORCH_PRIVATES = {"torch.ops.mkldnn._reorder_linear_weight", "torch.ops.mkldnn._linear_pointwise", "options._timeout"}
+TORCH_PRIVATES = {"torch.ops.mkldnn._reorder_linear_weight", "torch.ops.mkldnn._linear_pointwise", "options._timeout",
+                  "torch._scaled_mm"}  # torch's FP8 matmul, as vLLM and torchao call it
 
 
 def product_modules() -> dict[str, ast.Module]:

@@ -37,6 +37,7 @@ from kvloom.engine.lora.lora_step import LoRAStep
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tensor_parallel.tp_group import SingleDevice, TensorParallelGroup
+from kvloom.kernels.fp8_linear import Fp8Linear, runs_in_fp8
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
 from kvloom.engine.model.quantized_weights import QuantizedWeights
 from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
@@ -61,10 +62,11 @@ class FusedDecoder:
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint,
                  group: SingleDevice | TensorParallelGroup = SingleDevice(),
-                 quantized: QuantizedWeights | None = None) -> None:
+                 quantized: QuantizedWeights | None = None, fp8: bool = False) -> None:
         """`config` and `checkpoint` as this rank sees them: a tensor-parallel rank's heads, MLP width and
         vocabulary range, with `group` reducing its partial sums (see tp_shards.py). `quantized`: the GGUF blocks
-        the linears run as stored (`quantization: gguf`, one rank)."""
+        the linears run as stored (`quantization: gguf`, one rank); `fp8`: the layers' linears in float8
+        (`quantization: fp8`; the LM head stays in the model's dtype, as vLLM keeps it)."""
         self.group = group
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
@@ -79,7 +81,7 @@ class FusedDecoder:
         norm = lambda name: checkpoint.get(name, torch.float32)  # noqa: E731  (the residual's dtype)
         self.final_norm = norm("model.norm.weight")
         self.layers = []
-        linear = lambda names: _pack(checkpoint, names, quantized)  # noqa: E731
+        linear = lambda names: _pack(checkpoint, names, quantized, fp8)  # noqa: E731
         for i in range(config.num_hidden_layers):
             prefix = f"model.layers.{i}"
             self.layers.append(FusedLayer(
@@ -94,7 +96,7 @@ class FusedDecoder:
         self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32 and tied_blocks is None
                                       and host_layout(self.embed) is not Layout.BLOCKED)
         if not config.tie_word_embeddings:
-            self.lm_head = linear(["lm_head"])
+            self.lm_head = _pack(checkpoint, ["lm_head"], quantized)
         elif tied_blocks is not None:  # the table's own blocks: read as stored, the lookup reads the dense table
             self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device,
                                                 int8=quantized.int8_activations)
@@ -216,11 +218,11 @@ class FusedDecoder:
         return sum(t.nbytes for t in tensors)  # oneDNN's packed layout: its dense size
 
 
-def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None
-          ) -> PackedLinear | QuantizedLinear:
+def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None, fp8: bool = False
+          ) -> PackedLinear | QuantizedLinear | Fp8Linear:
     """One linear computing the named ones side by side: from their GGUF blocks where `quantized` holds them in
-    a type kvloom runs (and each has a bias, or none has), else packed from the checkpoint's weights (their
-    sources released after)."""
+    a type kvloom runs (and each has a bias, or none has), in float8 where `fp8` and the shape allows, else packed
+    from the checkpoint's weights (their sources released after)."""
     biases = [checkpoint.get(f"{p}.bias") if f"{p}.bias" in checkpoint else None for p in prefixes]
     blocks = quantized.blocks([f"{p}.weight" for p in prefixes]) if quantized is not None else None
     if blocks is not None and len({b is None for b in biases}) == 1:
@@ -229,7 +231,8 @@ def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeigh
     weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])
-    packed = PackedLinear.pack(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    packed = Fp8Linear.pack(weight, bias) if fp8 and runs_in_fp8(weight) else PackedLinear.pack(weight, bias)
     if packed.packed or len(weights) > 1:  # the file's pages of these weights are dead weight now
         for w in weights:
             release_pages(w)

@@ -20,6 +20,7 @@ from kvloom.engine.model.quantized_weights import QuantizedWeights
 from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.engine.tensor_parallel.tp_group import TensorParallelGroup
 from kvloom.engine.tensor_parallel.tp_shards import RankShard, ShardedCheckpoint
+from kvloom.kernels.fp8_linear import fp8_unsupported
 
 
 def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
@@ -57,7 +58,7 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
 
 def quantized_weights(model_dir: Path, quantization: str | None) -> QuantizedWeights | None:
     """The GGUF blocks the decoder runs as stored, for `quantization: gguf` (or gguf-int8)."""
-    if quantization is None:
+    if quantization in (None, "fp8"):
         return None
     quantized = QuantizedWeights.open(model_dir, int8_activations=quantization == "gguf-int8")
     if quantized is None:
@@ -81,12 +82,16 @@ def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, g
 def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  model_impl: str, quantization: str | None = None) -> FusedDecoder | StockDecoder:
     """kvloom's fused decoder where it covers the model (and `model_impl` allows), else the stock one;
-    `quantization: gguf` needs the fused one and a model converted from a GGUF file."""
+    `quantization: gguf` needs the fused one and a model converted from a GGUF file; `fp8` the fused one on a device
+    with an FP8 matrix multiply."""
+    if quantization == "fp8" and (why := fp8_unsupported(device)) is not None:
+        raise ConfigError("quantization", why)
     if model_impl != "transformers":
         checkpoint = Checkpoint.open(model_dir, dtype, device)
         reason = FusedDecoder.unsupported(config, checkpoint)
         if reason is None:
-            return FusedDecoder(config, checkpoint, quantized=quantized_weights(model_dir, quantization))
+            return FusedDecoder(config, checkpoint, quantized=quantized_weights(model_dir, quantization),
+                                fp8=quantization == "fp8")
         if model_impl == "kvloom":
             raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
                                             "use auto or transformers")

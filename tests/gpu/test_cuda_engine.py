@@ -217,3 +217,30 @@ def test_gguf_linears_run_as_stored_by_the_triton_kernel_give_the_cpu_engines_to
         assert cuda.token_ids == cpu.token_ids
         assert [lp[t] for t, lp in zip(cuda.token_ids, cuda.logprobs)] == pytest.approx(
             [lp[t] for t, lp in zip(cpu.token_ids, cpu.logprobs)], abs=1e-4)
+
+
+def test_fp8_weights_on_the_tensor_cores_compute_what_the_cpu_reference_does(tiny_model_dir, monkeypatch):
+    """`quantization: fp8` (kernels/fp8_linear.py): the same quantized operands on CUDA's FP8 tensor cores as on
+    torch's CPU reference (tests/test_fp8_weights.py holds that to float64), and an engine on each (the CPU one with
+    the device check lifted): the same greedy tokens, but where sums in another order flip a near-tie."""
+    from kvloom.engine.model import model_loader
+    from kvloom.kernels.fp8_linear import Fp8Linear, fp8_unsupported
+
+    if (why := fp8_unsupported(torch.device("cuda"))) is not None:
+        pytest.skip(why)
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(256, 512, generator=generator) / 16, torch.randn(33, 512, generator=generator)
+    on_cpu, on_cuda = Fp8Linear.pack(weight.bfloat16()), Fp8Linear.pack(weight.bfloat16().cuda())
+    assert torch.equal(on_cpu.weight.float(), on_cuda.weight.float().cpu())
+    torch.testing.assert_close(on_cuda(x.bfloat16().cuda()).float().cpu(), on_cpu(x.bfloat16()).float(),
+                               atol=1e-2, rtol=2 ** -7)  # sums in another order, each rounded once to bfloat16
+    runs = {}
+    for device in ("cuda", "cpu"):
+        if device == "cpu":
+            monkeypatch.setattr(model_loader, "fp8_unsupported", lambda _: None)
+        llm = LLM(str(tiny_model_dir), device=device, dtype="bfloat16", quantization="fp8",
+                  kv_cache_memory_bytes=1 << 24)
+        assert isinstance(llm.engine.decoder.layers[0].gate_up, Fp8Linear)
+        runs[device] = token_ids(llm, prompts())
+    first_four_equal = sum(out[:4] == ref[:4] for out, ref in zip(runs["cuda"], runs["cpu"]))
+    assert first_four_equal >= 10, f"CUDA and CPU agreed on the first 4 tokens of {first_four_equal}/12 prompts"
