@@ -16,6 +16,7 @@ from kvloom.engine.lora.lora_step import LINEAR_INDEX
 from kvloom.engine.model.attention import ForwardContext
 from kvloom.kernels.cpu_attention import CACHE_DTYPES, QUERY_DTYPES, decode_extension
 from kvloom.kernels.cpu_extensions import build_extension
+from kvloom.kernels.fused_ops import fused_extension
 from kvloom.kernels.packed_linear import Layout, PackedLinear
 from kvloom.kernels.quantized_linear import QuantizedLinear
 
@@ -26,11 +27,9 @@ QUANTIZED, QUANTIZED_INT8 = 0, 1
 
 
 def _kind(linear: PackedLinear | QuantizedLinear) -> int | None:
-    """How the C++ op runs `linear`, or None where it cannot (an ISA variant's build, a CUDA kernel)."""
+    """How the C++ op runs a CPU model's `linear`, or None where it cannot (an ISA variant's build, FP8)."""
     if isinstance(linear, QuantizedLinear) and linear.layout is Layout.QUANTIZED:
         return None if linear.variant else QUANTIZED_INT8 if linear.int8 else QUANTIZED
-    if linear.layout is Layout.DENSE and linear.weight.device.type != "cpu":
-        return None
     return LINEAR_KINDS.get(linear.layout)
 
 
@@ -52,14 +51,14 @@ class DecodeStack:
 
     @classmethod
     def of(cls, layers: list, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> "DecodeStack | None":
-        """For FusedLayers of one device's whole model, or None where the op cannot run them (see `_kind`), the
+        """For FusedLayers of one CPU model's whole stack, or None where the op cannot run them (see `_kind`), the
         kernels are not built, or the attention kernel has no code for these heads."""
         linears = [getattr(layer, name) for layer in layers for name in LINEARS]
         kinds = [_kind(linear) for linear in linears]
         decode = decode_extension()
         if (None in kinds or dtype not in QUERY_DTYPES or dtype not in CACHE_DTYPES or decode is None
                 or not decode.paged_decode_supported(head_dim, heads // kv_heads)
-                or build_extension("kvloom_cpu_fused") is None or build_extension("kvloom_cpu_stack") is None):
+                or fused_extension() is None or build_extension("kvloom_cpu_stack") is None):
             return None
         return cls(
             input_norms=[layer.input_norm for layer in layers],

@@ -149,11 +149,11 @@ class FusedDecoder:
         cos, sin = self.rotary.cos_sin(positions)
         dtype, eps = self.dtype, self.eps
         meta, backend, lora = context.meta, context.backend, context.lora
-        # each sublayer's output joins the residual in the same pass that normalizes it for the next one
-        next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
         hidden = add_rms_norm_(residual, None, layers[0].input_norm, eps, dtype)
         if self.stack is not None and keep_rows is None and self.stack.runs(context, num_tokens, MLP_ROWS):
             return self.stack(residual, hidden, cos, sin, context, len(layers), self.final_norm, self.scale, eps)
+        # each sublayer's output joins the residual in the same pass that normalizes it for the next one
+        next_norms = [layer.input_norm for layer in layers[1:]] + [self.final_norm]
         last = len(layers) - 1
         for i, (layer, next_norm, (key_cache, value_cache)) in enumerate(zip(layers, next_norms, context.kv_caches)):
             qkv = layer.qkv(hidden)
