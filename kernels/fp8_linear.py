@@ -5,8 +5,8 @@ and stored in one byte; each row of x is scaled the same way on every call (per-
 and `torch._scaled_mm` multiplies the two in FP8, sums in float32, applies both scales and rounds once to bfloat16.
 On Ada and Hopper GPUs (compute capability 8.9 and up) that is the FP8 tensor cores: half the weight bytes of
 bfloat16 and twice its peak. Elsewhere the engine refuses it: torch also runs `_scaled_mm` on CPU, which is how
-the tests check the arithmetic and the engine's plumbing, but as a reference, ~30x slower than kvloom's bfloat16
-GEMMs on SmolLM2 (measured on the AVX512-BF16 EPYC: 300 ms a token).
+the tests check the arithmetic and the engine's plumbing, but as a slow reference (measured in
+docs/performance.md), not a fast path.
 """
 
 from dataclasses import dataclass
@@ -30,8 +30,7 @@ def fp8_unsupported(device: torch.device) -> str | None:
                     f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")
         return None
     return (f"FP8 weights need FP8 tensor cores (a CUDA GPU of compute capability 8.9 or newer), which {device.type} "
-            f"lacks: torch's {device.type} FP8 matrix multiply runs SmolLM2 ~30x slower than bfloat16. Use "
-            f"quantization: gguf on CPUs")
+            f"lacks: torch's {device.type} FP8 matrix multiply is a slow reference. Use quantization: gguf on CPUs")
 
 
 def runs_in_fp8(weight: torch.Tensor) -> bool:

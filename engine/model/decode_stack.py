@@ -1,8 +1,7 @@
 """A decode-only CPU step's decoder layers in one C++ call (kernels/cpu_decode_stack.cpp).
 
-At batch 1 a layer's ~12 ops cost more in Python (wrappers, torch.ops dispatch, views) than in their own work:
-on SmolLM2 with Q4_1 weights run as stored, the 30 layers' loop took ~4.8 ms a step where its ops' own time
-is ~3.5 ms (docs/performance.md). The C++ op calls the same ops in the same order, so its output is the loop's
+At batch 1 a layer's ~12 ops cost about as much in Python (wrappers, torch.ops dispatch, views) as in their own
+work (measured in docs/performance.md, session 47). The C++ op calls the same ops in the same order, so its output is the loop's
 bit for bit; it runs a step whose every row is one request's one new token, on the CPU attention backend and one
 device, LoRA deltas added by their C++ op where the step's adapters are laid out for it. Every other step (prompt
 chunks, speculation's verification, tensor parallelism) keeps the Python loop.
