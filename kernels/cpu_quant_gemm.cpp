@@ -22,6 +22,10 @@
 // Sums are float32, rounded once to bfloat16 (nearest even) for bfloat16 activations. Work items (rows x adjacent
 // tiles) are dealt from a shared counter as in kvloom's other kernels (cpu_deal.h).
 //
+// That per-block scaling makes the exact kernel ~1.18x slower than a bfloat16 GEMM once rows make it compute-bound,
+// so from DEQUANTIZE_ROWS rows of bfloat16 x (AVX512-BF16) the tiles are de-quantized to bfloat16 in cache and run
+// by kvloom's blocked GEMM kernel (run_dequantized): the de-quantized model's weights and arithmetic, bit for bit.
+//
 // Asked for (`quantization: gguf-int8`), calls of INT8_ROWS rows or more of bfloat16 x on CPUs with AVX512-VNNI run
 // in int8 instead (int8_rows, below): the per-block scaling above costs a conversion and two FMAs per row and block
 // on top of 16 VDPBF16PS, so from ~12 rows the de-quantized model's bfloat16 GEMM is faster, where VPDPBUSD takes a
@@ -48,6 +52,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cpu_blocked.h"
 #include "cpu_deal.h"
 #include "cpu_vec.h"
 #if defined(__AVX2__)
@@ -61,6 +66,7 @@ constexpr int64_t BLOCK_K = 32;  // weights per GGUF block
 constexpr int64_t SERIAL_PREP = 1 << 15;  // x elements prepared on the calling thread (waking the team costs more)
 constexpr int64_t MAX_ITEM_TILES = 32;    // tiles per work item at most (a few hundred KB of weights)
 constexpr int64_t INT8_ROWS = 16;         // from this many rows bfloat16 x runs in int8 where VNNI is (int8_rows)
+constexpr int64_t DEQUANTIZE_ROWS = 32;   // from this many, bfloat16 x meets de-quantized tiles (run_dequantized)
 
 // The weight stream 4 KB ahead into L2 (an item's tiles are contiguous; prefetches never fault), on a tile's first
 // pass only (from memory; the row blocks after it find it in cache, where prefetches cost Q8_0 10% at 16-64 rows).
@@ -559,10 +565,105 @@ void prepare(const In* x, int64_t M, int64_t K, float* widened, float* sums) {
   else parallel_chunks(0, blocks, SERIAL_PREP / BLOCK_K, run);
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+constexpr bool DEQUANTIZED_ROWS = true;
+// Many rows of bfloat16 x (DEQUANTIZE_ROWS or more; not int8): the tiles de-quantized into kvloom's blocked bfloat16
+// layout and run by its register kernel (cpu_blocked.h). The exact kernel's per-block scaling costs an add and two
+// FMAs a row and block on top of 16 VDPBF16PS; de-quantizing costs about as much once for all of a call's rows.
+// Each weight is d*q + m in float32 (d*q is exact, so one rounding), rounded to bfloat16 (nearest even): the
+// de-quantized model's own weights, so these calls compute what its blocked GEMM computes, bit for bit.
+
+// a block's 16 outputs (float32 scales) -> each output's scale twice: lanes 2j and 2j+1 of outputs `from`.. from+7
+inline __m512 paired(__m512 scales, int from) {
+  alignas(64) static const std::array<std::array<int32_t, 16>, 2> index = [] {
+    std::array<std::array<int32_t, 16>, 2> out{};
+    for (int h = 0; h < 2; ++h)
+      for (int lane = 0; lane < 16; ++lane) out[h][lane] = 8 * h + lane / 2;
+    return out;
+  }();
+  return _mm512_permutexvar_ps(_mm512_load_si512(index[from / 8].data()), scales);
+}
+
+// 16 bytes of a chunk (outputs from.. from+7, byte 2j+e) as 32-bit lanes
+inline __m512i chunk_bytes(const uint8_t* p, bool is_signed) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes);
+}
+
+// q (32-bit lanes of outputs 0-7 and 8-15) -> the bfloat16 pair vector d*q + m: lane 2j+e, output j
+inline __m512i pair_vector(__m512i q_low, __m512i q_high, const __m512 (&d)[2], const __m512 (&m)[2]) {
+  const __m512 low = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_low), d[0], m[0]);
+  const __m512 high = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q_high), d[1], m[1]);
+  return (__m512i)_mm512_cvtne2ps_pbh(high, low);
+}
+
+// One tile's K/32 blocks -> its 16 outputs of a blocked-layout weight block (out: [K/2 words][32 outputs], this
+// tile's half at out + half * 16; a word is a pair of inputs (2k, 2k+1)).
+template <bool Q4_BLOCKS>
+void dequantize_tile(const uint8_t* tile, int64_t B, int half, uint32_t* out) {
+  const int64_t bytes = Q4_BLOCKS ? Q4::TILE : Q8::TILE;
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = tile + b * bytes;
+    const __m512 scale = Lanes::halves(block), min = Q4_BLOCKS ? Lanes::halves(block + 32) : _mm512_setzero_ps();
+    const __m512 d[2] = {paired(scale, 0), paired(scale, 8)}, m[2] = {paired(min, 0), paired(min, 8)};
+    uint32_t* words = out + b * (BLOCK_K / 2) * BLOCK_N + half * TILE_N;  // the block's first pair of inputs
+    auto store = [&](int pair, __m512i v) { _mm512_storeu_si512(words + pair * BLOCK_N, v); };
+    if constexpr (Q4_BLOCKS) {  // chunk c: inputs 2c+e in the low nibbles, 2c+16+e in the high
+      const __m512i nibble = _mm512_set1_epi32(15);
+      for (int c = 0; c < 8; ++c) {
+        const __m512i low = chunk_bytes(block + 64 + 32 * c, false), high = chunk_bytes(block + 80 + 32 * c, false);
+        store(c, pair_vector(_mm512_and_si512(low, nibble), _mm512_and_si512(high, nibble), d, m));
+        store(c + 8, pair_vector(_mm512_srli_epi32(low, 4), _mm512_srli_epi32(high, 4), d, m));
+      }
+    } else {  // chunk p: inputs 2p+e
+      for (int p = 0; p < 16; ++p)
+        store(p, pair_vector(chunk_bytes(block + 32 + 32 * p, true), chunk_bytes(block + 48 + 32 * p, true), d, m));
+    }
+  }
+}
+
+// Tiles 2nb and 2nb+1 (where there is one) -> blocked-layout weight block nb at out ([K/2 words][32 outputs]).
+void dequantize_block(const uint8_t* tiles, bool q4, int64_t K, int64_t N, int64_t nb, uint32_t* out) {
+  const int64_t KW = K / 2, B = K / BLOCK_K, T = (N + TILE_N - 1) / TILE_N, tile_bytes = B * (q4 ? Q4::TILE : Q8::TILE);
+  for (int half = 0; half < 2; ++half) {
+    const int64_t t = 2 * nb + half;
+    if (t < T) (q4 ? dequantize_tile<true> : dequantize_tile<false>)(tiles + t * tile_bytes, B, half, out);
+    else for (int64_t k = 0; k < KW; ++k) std::memset(out + k * BLOCK_N + half * TILE_N, 0, TILE_N * 4);
+  }
+}
+
+// x [M, K] bfloat16 against the tiles -> y [M, N] (+ bias): a work item is a weight block (a pair of tiles)
+// de-quantized into the thread's scratch, then run by the blocked GEMM's register kernel over a row group, which is
+// all M rows unless there are too few blocks to keep the threads busy (de-quantized once a call, in cache for every
+// row: 1.01x the de-quantized weight's time from 512 rows; de-quantizing the whole weight first, then running
+// cpu_gemm.cpp's schedule, was 1.02-1.16x at 160-512 rows, measured on SmolLM2's shapes on the 2-core Zen 4).
+void run_dequantized(const uint32_t* x, int64_t M, int64_t K, const uint8_t* tiles, bool q4, const float* bias,
+                     uint16_t* y, int64_t N) {
+  static constexpr auto BLOCKS = blocks_by_rows<BFloat16Pairs>(std::make_integer_sequence<int, BLOCK_M>{});
+  const int64_t KW = K / 2, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
+  const int64_t max_groups = (M + ITEM_M - 1) / ITEM_M;
+  const int64_t groups = std::clamp<int64_t>((2 * deal_threads() + nblocks - 1) / nblocks, 1, max_groups);
+  const int64_t group_rows = ((M + groups - 1) / groups + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
+  deal_items(groups * nblocks, [] { return 0; }, [&](int64_t item, int) {
+    const int64_t nb = item % nblocks, n = nb * BLOCK_N;
+    const int64_t m_begin = item / nblocks * group_rows, m_end = std::min(M, m_begin + group_rows);
+    auto* w = static_cast<uint32_t*>(scratch(KW * BLOCK_N * 4));
+    dequantize_block(tiles, q4, K, N, nb, w);
+    for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
+      const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
+      BLOCKS[rows - 1](x + m * KW, w, KW, bias ? bias + n : nullptr, y + m * N + n, N, std::min(BLOCK_N, N - n));
+    }
+  });
+}
+#else
+constexpr bool DEQUANTIZED_ROWS = false;
+#endif
+
 // the code a call of `rows` rows runs
 std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows, bool int8) {
   if (dtype != at::kBFloat16) return Lanes::ISA;
   if (INT8_DOTS && int8 && rows >= INT8_ROWS) return "avx512vnni-int8";
+  if (DEQUANTIZED_ROWS && rows >= DEQUANTIZE_ROWS) return "avx512bf16-dequantized";
   return BF16_PAIRS ? "avx512bf16" : Lanes::ISA;
 }
 
@@ -600,6 +701,13 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
     else quantize_x<Int8Q8>(x_bf16, M, K, qp, fp);
     run_tiles(q4 ? Q4_INT8 : Q8_INT8, qp, K / 4, M, K, fp, 2 * B, tp, tile_bytes, bp, y_bf16, N,
               q4 ? unpack_int8_tile<Int8Q4> : unpack_int8_tile<Int8Q8>, B * UNPACKED_BLOCK * 64);
+    return y;
+  }
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (bf16 && M >= DEQUANTIZE_ROWS) {
+    run_dequantized(reinterpret_cast<const uint32_t*>(x_bf16), M, K, tp, q4, bp, reinterpret_cast<uint16_t*>(y_bf16),
+                    N);
     return y;
   }
 #endif

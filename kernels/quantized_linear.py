@@ -4,7 +4,9 @@ At low batch a decode step is a read of every weight, so the bytes read set its 
 bytes and Q8_0 in 1.0625, against bfloat16's 2. The blocks (32 weights along the input, a float16 scale d, Q4_1 a
 float16 min m too) are packed once at load (`pack`) into tiles of 16 outputs by one block, which kvloom's kernel
 (cpu_quant_gemm.cpp) reads once per call, dequantizing in registers: activations float32 or bfloat16, sums float32.
-The tile layout and its math are described there. Where that kernel cannot be built (no compiler) or off the CPU,
+Calls of many bfloat16 rows, which are compute-bound, de-quantize the tiles to bfloat16 in cache instead and run
+kvloom's bfloat16 GEMM on them: the de-quantized model's arithmetic at its speed. The tile layout and its math are
+described there. Where that kernel cannot be built (no compiler) or off the CPU,
 the weight is dequantized once (`dequantize`, also the tests' reference) and runs dense, as `PackedLinear` does.
 """
 

@@ -44,6 +44,7 @@ HOST_FEATURES = {
     "avx512-build": ("kernels built for AVX-512 (x86-64-v4) run here", lambda: _isa_variant("avx512")),
     "avx2-build": ("kernels built for AVX2 (x86-64-v3) run here", lambda: _isa_variant("avx2")),
     "x86-64-build": ("kernels built for baseline x86-64 run here", lambda: _isa_variant("generic")),
+    "avx512-bf16": ("AVX-512 bfloat16 dot products (VDPBF16PS)", lambda: {"avx512_bf16", "avx512bw"} <= host_flags()),
     "avx512-vnni": ("AVX-512 int8 dot products (VPDPBUSD)", lambda: {"avx512_vnni", "avx512bw"} <= host_flags()),
     "proc-threads": ("Linux /proc per-thread files", lambda: os.path.exists("/proc/self/task")),
     "sched-batch": ("Linux scheduling classes", lambda: hasattr(os, "SCHED_BATCH")),

@@ -15,7 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from kvloom.kernels import cpu_extensions, quantized_linear
 from kvloom.kernels.host_isa import HostISA, host_isa
-from kvloom.kernels.packed_linear import Layout
+from kvloom.kernels.packed_linear import Layout, PackedLinear, gemm_extension, to_blocked
 from kvloom.kernels.gguf_blocks import QuantType, dequantize
 from kvloom.kernels.quantized_linear import QuantizedLinear, pack
 
@@ -93,7 +93,8 @@ def test_packed_tiles_give_back_every_weight_of_the_files_blocks(variant, name, 
 @pytest.mark.parametrize("outputs,inputs,with_bias", [(40, 96, False), (200, 1536, True)])
 def test_the_gemm_matches_dequantize_then_matmul_in_float64(variant, qtype, dtype, rows, outputs, inputs, with_bias):
     """Within 1e-5 of sum |x * w| (float32 sums over K) plus, for bfloat16 activations, 2^-8 of the result (its one
-    rounding to bfloat16); outputs not a multiple of the 16-output tile, every row-block size of each build."""
+    rounding to bfloat16), and 2^-9 of sum |x * w| where the weights are de-quantized to bfloat16 (from 32 rows, with
+    AVX512-BF16); outputs not a multiple of the 16-output tile, every row-block size of each build."""
     torch.manual_seed(rows)
     blocks = gguf_blocks(torch.randn(outputs, inputs) * 0.1, qtype)
     bias = torch.randn(outputs) if with_bias else None
@@ -106,7 +107,29 @@ def test_the_gemm_matches_dequantize_then_matmul_in_float64(variant, qtype, dtyp
     expected = x.double() @ weight.T + (0 if bias is None else bias.double())
     bound = x.double().abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
     rounding = 2 ** -8 * expected.abs() if dtype == torch.bfloat16 else 0
-    assert ((out.double() - expected).abs() <= 1e-5 * bound + rounding).all()
+    weights_rounded = path(variant, qtype, dtype, rows).endswith("-dequantized")
+    assert ((out.double() - expected).abs() <= (1e-5 + weights_rounded * 2 ** -9) * bound + rounding).all()
+
+
+@pytest.mark.host("avx512-bf16")
+@pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [31, 32, 33, 100])
+@pytest.mark.parametrize("outputs,inputs,with_bias", [(40, 96, False), (200, 1536, True), (576, 576, False)])
+def test_many_bfloat16_rows_compute_what_the_dequantized_models_gemm_does_bit_for_bit(qtype, rows, outputs, inputs,
+                                                                                      with_bias):
+    """From 32 rows, bfloat16 x meets the tiles de-quantized to bfloat16 (d*q + m in float32, rounded once) and runs
+    kvloom's blocked GEMM kernel on them: the same bits as the de-quantized model's own linear (its weight rounded
+    to bfloat16, laid out blocked), for an odd tile count, a bias, and row groups split for too few weight blocks.
+    Fewer rows run the exact kernel, which differs."""
+    torch.manual_seed(rows)
+    blocks = gguf_blocks(torch.randn(outputs, inputs) * 0.1, qtype)
+    bias = torch.randn(outputs) if with_bias else None
+    linear = QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias)
+    # the de-quantized model's linear where the blocked layout is this host's (AVX-512 without AMX tiles)
+    assert gemm_extension() is not None
+    dense = PackedLinear(to_blocked(dequantize(blocks, qtype).bfloat16()), bias, Layout.BLOCKED, outputs)
+    x = torch.randn(rows, inputs).bfloat16()
+    assert torch.equal(linear(x), dense(x)) == (rows >= 32)
 
 
 @pytest.mark.host("avx512-vnni")
@@ -143,7 +166,8 @@ def test_int8_activations_stay_within_their_own_rounding(qtype, rows, outputs, i
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(variant, qtype, dtype):
     """The same bits for a row alone, in 3 rows or in 17 or in 64 (each register block's size and the tiles it runs
     side by side change with the rows; each output's sum keeps its order): greedy text independent of the batch.
-    With int8 activations (VNNI), calls of 16 rows or more compute otherwise, and agree among themselves."""
+    Calls of 32 rows or more of bfloat16 x on AVX512-BF16 (de-quantized tiles) and, with int8 activations (VNNI),
+    of 16 rows or more compute otherwise, and agree among themselves."""
     torch.manual_seed(0)
     blocks = gguf_blocks(torch.randn(200, 96), qtype)
     kernel(variant)
@@ -160,15 +184,16 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(variant, qtyp
 @pytest.mark.parametrize("variant", BUILDS)
 def test_each_build_runs_the_path_of_its_instruction_set(variant):
     """A variant runs its own instruction set's code; the native build, the best this CPU has: VDPBF16PS on bfloat16
-    pairs for bfloat16 activations where AVX512-BF16 is present, and, int8 activations asked for, VPDPBUSD from 16
-    rows where VNNI is."""
+    pairs for bfloat16 activations where AVX512-BF16 is present (from 32 rows on tiles de-quantized to bfloat16),
+    and, int8 activations asked for, VPDPBUSD from 16 rows where VNNI is."""
     isa = host_isa()
     best = variant or ("avx512" if isa.avx512 else "avx2" if "avx2" in isa.flags else "generic")
     pairs = variant is None and isa.avx512_bf16
     int8 = variant is None and "avx512_vnni" in isa.flags
     for qtype in (QuantType.Q4_1, QuantType.Q8_0):
         assert path(variant, qtype, torch.float32, 1) == path(variant, qtype, torch.float32, 64) == best
-        assert path(variant, qtype, torch.bfloat16, 64) == ("avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 31) == ("avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 32) == ("avx512bf16-dequantized" if pairs else best)
         assert path(variant, qtype, torch.bfloat16, 15, int8=True) == ("avx512bf16" if pairs else best)
         assert path(variant, qtype, torch.bfloat16, 16, int8=True) == ("avx512vnni-int8" if int8 else
                                                                       "avx512bf16" if pairs else best)
