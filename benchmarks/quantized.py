@@ -244,12 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
     w1 = make_workload("offline-mixed", corpus)
     before = read_bandwidth_gb_s(args.threads)
     if args.runs_from:
-        runs, rounds = json.loads(args.runs_from.read_text())
+        saved = json.loads(args.runs_from.read_text())
+        runs, rounds = saved["runs"], saved["w1_rounds"]
     else:
         runs = [run_systems(workload, systems(), settings, args.out / workload.name, label=label)
                 for workload, label in ((single, "Batch-1 decode (single-stream)"), (w1, "W1 (offline-mixed)"))]
         rounds = w1_rounds(w1, settings, args.w1_rounds, args.out / "w1-rounds")
-        (args.out / "runs.json").write_text(json.dumps([runs, rounds], default=str))
+        (args.out / "runs.json").write_text(json.dumps({"runs": runs, "w1_rounds": rounds}, default=str))
     after = read_bandwidth_gb_s(args.threads)
     bandwidth = max(before, after)
     quantized, dequantized = decode_step_bytes(quantization="gguf"), decode_step_bytes()

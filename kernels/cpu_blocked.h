@@ -5,10 +5,10 @@
 // row's inputs (VDPBF16PS over a pair, or FMAs): 24 float32 accumulators live in registers over all of K. A row's
 // sums run in input order whatever the rows beside it. Sums are float32, rounded to bfloat16 once (nearest even).
 #pragma once
+#include <algorithm>
 #include <array>
 #include <bit>
 #include <cstdint>
-#include <algorithm>
 #include <utility>
 
 #include "cpu_deal.h"
@@ -123,13 +123,25 @@ constexpr std::array<BlockFn<Words>, sizeof...(Rs)> blocks_by_rows(std::integer_
   return {block<Words, Rs + 1>...};
 }
 
+// Rows [m_begin, m_end) of x (KW words each) against weight block w, outputs n.. n+31 of y [.., N] (+ bias), a
+// register block of up to BLOCK_M rows at a time.
+template <typename Words>
+void block_rows(const uint32_t* x, int64_t KW, const uint32_t* w, const float* bias, typename Words::Out* y,
+                int64_t N, int64_t n, int64_t m_begin, int64_t m_end) {
+  static constexpr auto BLOCKS = blocks_by_rows<Words>(std::make_integer_sequence<int, BLOCK_M>{});  // [R - 1]
+  for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
+    const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
+    BLOCKS[rows - 1](x + m * KW * Words::X_WORDS, w, KW, bias ? bias + n : nullptr, y + m * N + n, N,
+                     std::min(BLOCK_N, N - n));
+  }
+}
+
 // x [M, KW words] against weight blocks [ceil(N/32)][KW][32 outputs] -> y [M, N] (+ bias): work items of ITEM_M rows
 // by item_blocks adjacent weight blocks, dealt from a shared counter (cpu_deal.h), so a thread that the OS preempts
 // for a moment leaves its share to the other rather than holding it at a barrier.
 template <typename Words>
 void run_blocks(const uint32_t* x, int64_t M, int64_t KW, const uint32_t* w, const float* bias,
                 typename Words::Out* y, int64_t N) {
-  static constexpr auto BLOCKS = blocks_by_rows<Words>(std::make_integer_sequence<int, BLOCK_M>{});  // [R - 1]
   const int64_t nblocks = (N + BLOCK_N - 1) / BLOCK_N;
   const int64_t row_groups = (M + ITEM_M - 1) / ITEM_M, threads = deal_threads();
   const int64_t per_item = item_blocks(nblocks, row_groups, threads), nitems = (nblocks + per_item - 1) / per_item;
@@ -137,14 +149,8 @@ void run_blocks(const uint32_t* x, int64_t M, int64_t KW, const uint32_t* w, con
   deal_items(items, [] { return 0; }, [&](int64_t item, int) {
     const int64_t m_begin = item / nitems * ITEM_M, m_end = std::min(M, m_begin + ITEM_M);
     const int64_t b_end = std::min(nblocks, (item % nitems + 1) * per_item);
-    for (int64_t b = item % nitems * per_item; b < b_end; ++b) {
-      const int64_t n = b * BLOCK_N;
-      for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
-        const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-        BLOCKS[rows - 1](x + m * KW * Words::X_WORDS, w + n * KW, KW, bias ? bias + n : nullptr, y + m * N + n, N,
-                         std::min(BLOCK_N, N - n));
-      }
-    }
+    for (int64_t b = item % nitems * per_item; b < b_end; ++b)
+      block_rows<Words>(x, KW, w + b * BLOCK_N * KW, bias, y, N, b * BLOCK_N, m_begin, m_end);
   });
 }
 #endif

@@ -566,7 +566,6 @@ void prepare(const In* x, int64_t M, int64_t K, float* widened, float* sums) {
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-constexpr bool DEQUANTIZED_ROWS = true;
 // Many rows of bfloat16 x (DEQUANTIZE_ROWS or more; not int8): the tiles de-quantized into kvloom's blocked bfloat16
 // layout and run by its register kernel (cpu_blocked.h). The exact kernel's per-block scaling costs an add and two
 // FMAs a row and block on top of 16 VDPBF16PS; de-quantizing costs about as much once for all of a call's rows.
@@ -639,31 +638,24 @@ void dequantize_block(const uint8_t* tiles, bool q4, int64_t K, int64_t N, int64
 // cpu_gemm.cpp's schedule, was 1.02-1.16x at 160-512 rows, measured on SmolLM2's shapes on the 2-core Zen 4).
 void run_dequantized(const uint32_t* x, int64_t M, int64_t K, const uint8_t* tiles, bool q4, const float* bias,
                      uint16_t* y, int64_t N) {
-  static constexpr auto BLOCKS = blocks_by_rows<BFloat16Pairs>(std::make_integer_sequence<int, BLOCK_M>{});
   const int64_t KW = K / 2, nblocks = (N + BLOCK_N - 1) / BLOCK_N;
   const int64_t max_groups = (M + ITEM_M - 1) / ITEM_M;
   const int64_t groups = std::clamp<int64_t>((2 * deal_threads() + nblocks - 1) / nblocks, 1, max_groups);
   const int64_t group_rows = ((M + groups - 1) / groups + BLOCK_M - 1) / BLOCK_M * BLOCK_M;
   deal_items(groups * nblocks, [] { return 0; }, [&](int64_t item, int) {
-    const int64_t nb = item % nblocks, n = nb * BLOCK_N;
-    const int64_t m_begin = item / nblocks * group_rows, m_end = std::min(M, m_begin + group_rows);
+    const int64_t nb = item % nblocks, m_begin = item / nblocks * group_rows;
     auto* w = static_cast<uint32_t*>(scratch(KW * BLOCK_N * 4));
     dequantize_block(tiles, q4, K, N, nb, w);
-    for (int64_t m = m_begin; m < m_end; m += BLOCK_M) {
-      const int rows = static_cast<int>(std::min<int64_t>(BLOCK_M, m_end - m));
-      BLOCKS[rows - 1](x + m * KW, w, KW, bias ? bias + n : nullptr, y + m * N + n, N, std::min(BLOCK_N, N - n));
-    }
+    block_rows<BFloat16Pairs>(x, KW, w, bias, y, N, nb * BLOCK_N, m_begin, std::min(M, m_begin + group_rows));
   });
 }
-#else
-constexpr bool DEQUANTIZED_ROWS = false;
 #endif
 
 // the code a call of `rows` rows runs
 std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows, bool int8) {
   if (dtype != at::kBFloat16) return Lanes::ISA;
   if (INT8_DOTS && int8 && rows >= INT8_ROWS) return "avx512vnni-int8";
-  if (DEQUANTIZED_ROWS && rows >= DEQUANTIZE_ROWS) return "avx512bf16-dequantized";
+  if (BF16_PAIRS && rows >= DEQUANTIZE_ROWS) return "avx512bf16-dequantized";
   return BF16_PAIRS ? "avx512bf16" : Lanes::ISA;
 }
 
