@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
-SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "sve")
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "asimd", "sve")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 
 from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model import model_loader
+from kvloom.engine.model import decoder, model_loader
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.fp8_linear import FP8, FP8_MAX, Fp8Linear, fp8_unsupported, quantize_rows
 
@@ -68,6 +68,19 @@ def test_devices_without_fp8_tensor_cores_are_refused_by_name(monkeypatch, tiny_
     assert fp8_unsupported(torch.device("cuda")) is None
     with pytest.raises(ValueError, match="quantization: not with tensor_parallel_size"):
         LLMEngine(model=str(tiny_model_dir), quantization="fp8", tensor_parallel_size=2)
+
+
+def test_linears_whose_shape_float8_cannot_take_keep_the_models_dtype_and_one_log_line_names_them(
+        monkeypatch, caplog, tiny_model_dir):
+    monkeypatch.setattr(model_loader, "fp8_unsupported", lambda device: None)
+    monkeypatch.setattr(decoder, "runs_in_fp8", lambda weight: weight.shape[1] != 128)  # the MLP's down projection
+    with caplog.at_level("INFO", logger=decoder.__name__):
+        engine = LLMEngine(model=str(tiny_model_dir), dtype="bfloat16", quantization="fp8",
+                           kv_cache_memory_bytes=1 << 24)
+    layer = engine.decoder.layers[0]
+    assert not isinstance(layer.down, Fp8Linear) and isinstance(layer.gate_up, Fp8Linear)
+    lines = [r.getMessage() for r in caplog.records if "quantization fp8" in r.getMessage()]
+    assert lines == ["quantization fp8: down keep the model's dtype (float8 GEMMs take dims that are multiples of 16)"]
 
 
 def text_logprobs(engine: LLMEngine) -> list[float]:

@@ -27,6 +27,8 @@ says why.
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 
 from kvloom.engine.model.attention import ForwardContext
@@ -44,6 +46,7 @@ from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
 from kvloom.kernels.quantized_linear import QuantizedLinear
 
 FUSABLE_TYPES = {"llama", "mistral", "qwen2"}
+logger = logging.getLogger(__name__)
 MLP_ROWS = 512  # rows per MLP pass (see FusedDecoder._mlp)
 
 
@@ -92,6 +95,8 @@ class FusedDecoder:
                 gate_up=linear([f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"]),
                 down=linear([f"{prefix}.mlp.down_proj"]),
             ))
+        if fp8:
+            _log_fp8_misfits(self.layers)
         tied_blocks = quantized.blocks(["model.embed_tokens.weight"]) if quantized is not None else None
         self.head_shares_embedding = (config.tie_word_embeddings and self.dtype == torch.float32 and tied_blocks is None
                                       and host_layout(self.embed) is not Layout.BLOCKED)
@@ -216,6 +221,15 @@ class FusedDecoder:
         if not self.head_shares_embedding:
             tensors.append(self.lm_head.weight)
         return sum(t.nbytes for t in tensors)  # oneDNN's packed layout: its dense size
+
+
+def _log_fp8_misfits(layers: list["FusedLayer"]) -> None:
+    """One line naming the linears `quantization: fp8` keeps in the model's dtype (dims not multiples of 16)."""
+    kept = sorted({name for layer in layers for name in ("qkv", "o_proj", "gate_up", "down")
+                   if not isinstance(getattr(layer, name), Fp8Linear)})
+    if kept:
+        logger.info("quantization fp8: %s keep the model's dtype (float8 GEMMs take dims that are multiples of 16)",
+                    ", ".join(kept))
 
 
 def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None, fp8: bool = False
