@@ -9,6 +9,8 @@ import enum
 
 import torch
 
+BLOCK = 32  # weights along the input in a block
+
 
 class QuantType(enum.IntEnum):
     """The GGUF block types kvloom runs as stored (values: GGML's type ids, as the gguf package's)."""
@@ -42,6 +44,19 @@ def fields(blocks: torch.Tensor, qtype: QuantType) -> tuple[torch.Tensor, torch.
         if not torch.isfinite(m).all():
             raise ValueError("a Q4_0 scale too large for a float16 min (|d| > 8188)")
     return d, m, q
+
+
+def to_blocks(d: torch.Tensor, m: torch.Tensor | None, q: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+    """`fields`' inverse: d [N, B] float16, m [N, B] float16 (Q4_1 only), q [N, B, 32] (nibbles 0..15 as uint8, or
+    int8) -> GGUF blocks [N, B * block bytes] uint8, as a file stores them."""
+    parts = [d.contiguous().view(torch.uint8).view(*d.shape, 2)]
+    if qtype is QuantType.Q4_1:
+        parts.append(m.contiguous().view(torch.uint8).view(*m.shape, 2))
+    if qtype is QuantType.Q8_0:
+        parts.append(q.contiguous().view(torch.uint8))
+    else:
+        parts.append(q[..., :16] | q[..., 16:] << 4)
+    return torch.cat(parts, dim=-1).flatten(1)
 
 
 def dequantize(blocks: torch.Tensor, qtype: QuantType, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -20,7 +20,7 @@ class Checkpoint:
     def __init__(self, model_dir: Path, files: dict[str, Path], dtype: torch.dtype, device: torch.device) -> None:
         """`files`: tensor name -> the file holding it; tensors are read as `dtype` on `device`."""
         self.model_dir = model_dir
-        self._files = files
+        self.files = files
         self.dtype = dtype
         self.device = device
         self._open: dict[Path, object] = {}
@@ -40,7 +40,7 @@ class Checkpoint:
         return None
 
     def __contains__(self, name: str) -> bool:
-        return name in self._files
+        return name in self.files
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor as the checkpoint's dtype, or as `dtype` where a caller keeps it wider."""
@@ -55,7 +55,7 @@ class Checkpoint:
         return tensor.to(device=self.device, dtype=dtype or self.dtype).contiguous()
 
     def _read(self, name: str, read) -> torch.Tensor:
-        path = self._files.get(name)
+        path = self.files.get(name)
         if path is None:
             raise ModelLoadError(f"the checkpoint in {self.model_dir} has no tensor {name}")
         try:

@@ -41,7 +41,7 @@ from kvloom.engine.model.rotary import RotaryEmbedding, unsupported_rope
 from kvloom.engine.tensor_parallel.tp_group import SingleDevice, TensorParallelGroup
 from kvloom.kernels.fp8_linear import Fp8Linear, runs_in_fp8
 from kvloom.kernels.fused_ops import add_rms_norm_, fused_extension, rotary_embedding_, silu_and_mul
-from kvloom.engine.model.quantized_weights import QuantizedWeights
+from kvloom.engine.model.quantized_weights import BlockSource
 from kvloom.kernels.packed_linear import Layout, PackedLinear, host_layout
 from kvloom.kernels.quantized_linear import QuantizedLinear
 
@@ -65,11 +65,11 @@ class FusedDecoder:
 
     def __init__(self, config: ModelConfig, checkpoint: Checkpoint,
                  group: SingleDevice | TensorParallelGroup = SingleDevice(),
-                 quantized: QuantizedWeights | None = None, fp8: bool = False) -> None:
+                 quantized: BlockSource | None = None, fp8: bool = False) -> None:
         """`config` and `checkpoint` as this rank sees them: a tensor-parallel rank's heads, MLP width and
         vocabulary range, with `group` reducing its partial sums (see tp_shards.py). `quantized`: the GGUF blocks
-        the linears run as stored (`quantization: gguf`, one rank); `fp8`: the layers' linears in float8
-        (`quantization: fp8`; the LM head stays in the model's dtype, as vLLM keeps it)."""
+        the linears run as stored (`quantization: gguf`, a compressed-tensors checkpoint; one rank); `fp8`: the
+        layers' linears in float8 (`quantization: fp8`; the LM head stays in the model's dtype, as vLLM keeps it)."""
         self.group = group
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads
@@ -232,7 +232,7 @@ def _log_fp8_misfits(layers: list["FusedLayer"]) -> None:
                     ", ".join(kept))
 
 
-def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: QuantizedWeights | None = None, fp8: bool = False
+def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: BlockSource | None = None, fp8: bool = False
           ) -> PackedLinear | QuantizedLinear | Fp8Linear:
     """One linear computing the named ones side by side: from their GGUF blocks where `quantized` holds them in
     a type kvloom runs (and each has a bias, or none has), in float8 where `fp8` and the shape allows, else packed

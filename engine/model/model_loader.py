@@ -4,6 +4,7 @@ A model the fused decoder covers loads without transformers' model classes (see 
 others load as the stock transformers model.
 """
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,16 +12,19 @@ import torch
 from safetensors import SafetensorError
 
 from kvloom.engine.model.checkpoint import Checkpoint
+from kvloom.engine.model.compressed_tensors import CompressedCheckpoint, open_checkpoint
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_files import resolve_model_dir
-from kvloom.engine.model.quantized_weights import QuantizedWeights
+from kvloom.engine.model.quantized_weights import BlockSource, QuantizedWeights
 from kvloom.engine.model.stock_decoder import StockDecoder
 from kvloom.engine.tensor_parallel.tp_group import TensorParallelGroup
 from kvloom.engine.tensor_parallel.tp_shards import RankShard, ShardedCheckpoint
 from kvloom.kernels.fp8_linear import fp8_unsupported
+
+logger = logging.getLogger(__name__)
 
 
 def load_tokenizer(model_dir: Path, config: ModelConfig | None = None):
@@ -56,10 +60,19 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     return LoadedModel(config, tokenizer, load_decoder(model_dir, config, dtype, device, model_impl))
 
 
-def quantized_weights(model_dir: Path, quantization: str | None) -> QuantizedWeights | None:
-    """The GGUF blocks the decoder runs as stored, for `quantization: gguf` (or gguf-int8)."""
+def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str | None) -> BlockSource | None:
+    """The GGUF blocks the decoder runs as stored: a GGUF model's for `quantization: gguf` (or gguf-int8), a
+    compressed-tensors checkpoint's unless `quantization` asks for something else."""
+    if isinstance(checkpoint, CompressedCheckpoint):
+        if quantization not in (None, "compressed-tensors", "fp8"):
+            raise ConfigError("quantization", f"{model_dir} is a compressed-tensors checkpoint: leave quantization "
+                                              "unset or set it to compressed-tensors (or fp8)")
+        return checkpoint if quantization != "fp8" else None
     if quantization in (None, "fp8"):
         return None
+    if quantization == "compressed-tensors":
+        raise ConfigError("quantization", f"{model_dir} is not a compressed-tensors checkpoint (its config.json's "
+                                          "quantization_config does not say so)")
     quantized = QuantizedWeights.open(model_dir, int8_activations=quantization == "gguf-int8")
     if quantized is None:
         raise ConfigError("quantization", f"{model_dir} was not converted from a GGUF file: it has no quantized "
@@ -71,7 +84,9 @@ def quantized_weights(model_dir: Path, quantization: str | None) -> QuantizedWei
 def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, group: TensorParallelGroup,
                        dtype: torch.dtype, device: torch.device) -> FusedDecoder:
     """One tensor-parallel rank's decoder, holding only its slices of the weights (see tp_shards.py)."""
-    checkpoint = Checkpoint.open(model_dir, dtype, device)
+    checkpoint = open_checkpoint(model_dir, dtype, device)
+    if isinstance(checkpoint, CompressedCheckpoint):
+        logger.info("quantization compressed-tensors: tensor-parallel ranks run its linears de-quantized")
     reason = FusedDecoder.unsupported(config, checkpoint)
     if reason is not None:
         raise ConfigError("tensor_parallel_size", f"tensor parallelism runs kvloom's fused decoder, which does not "
@@ -87,15 +102,18 @@ def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     if quantization == "fp8" and (why := fp8_unsupported(device)) is not None:
         raise ConfigError("quantization", why)
     if model_impl != "transformers":
-        checkpoint = Checkpoint.open(model_dir, dtype, device)
+        checkpoint = open_checkpoint(model_dir, dtype, device)
         reason = FusedDecoder.unsupported(config, checkpoint)
         if reason is None:
-            return FusedDecoder(config, checkpoint, quantized=quantized_weights(model_dir, quantization),
-                                fp8=quantization == "fp8")
+            quantized = quantized_weights(model_dir, checkpoint, quantization)
+            decoder = FusedDecoder(config, checkpoint, quantized=quantized, fp8=quantization == "fp8")
+            if isinstance(quantized, CompressedCheckpoint):
+                quantized.log_inflated()
+            return decoder
         if model_impl == "kvloom":
             raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
                                             "use auto or transformers")
-        if quantization is not None:
+        if quantization is not None or isinstance(checkpoint, CompressedCheckpoint):
             raise ConfigError("quantization", f"quantized weights run in kvloom's fused decoder, which does not "
                                               f"cover this model ({reason})")
     elif quantization is not None:

@@ -9,6 +9,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,15 @@ from kvloom.engine.model.gguf_convert import QUANTIZED_FILE
 from kvloom.kernels.gguf_blocks import QuantType
 
 logger = logging.getLogger(__name__)
+
+
+class BlockSource(Protocol):
+    """Where the decoder finds a linear's GGUF blocks: a GGUF model's (below) or a compressed-tensors checkpoint's
+    (engine/model/compressed_tensors.py)."""
+
+    int8_activations: bool
+
+    def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None: ...
 
 
 @dataclass

@@ -1,0 +1,162 @@
+"""compressed-tensors checkpoints (llm-compressor's format, which vLLM runs: W4A16, W8A16, W8A8 integers), written
+here by the compressed-tensors library itself from a tiny random Llama. kvloom reads them without that library
+(engine/model/compressed_tensors.py): every linear reads as the library's own de-quantization, computed in float64,
+and runs as GGUF blocks in kvloom's quantized GEMM (tests/test_quantized_linear.py checks that GEMM against
+de-quantize-then-matmul for each block type), so an engine on the checkpoint gives the tokens of an engine on its
+de-quantized weights. What kvloom cannot hold as blocks runs de-quantized, said once; what it cannot read at all,
+and `quantization` values that contradict the checkpoint, are refused by name."""
+
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from kvloom.benchmarks.compressed_checkpoint import write_compressed
+from kvloom.engine.errors import ConfigError, ModelLoadError
+from kvloom.engine.llm_engine import LLMEngine
+from kvloom.engine.model.compressed_tensors import CompressedCheckpoint, open_checkpoint
+from kvloom.engine.sampling import SamplingParams
+from kvloom.kernels.gguf_blocks import dequantize
+from kvloom.kernels.quantized_linear import QuantizedLinear
+
+pytest.importorskip("compressed_tensors")
+
+# scheme, group size, the GGUF block type kvloom holds it in
+SCHEMES = {"W4A16": (32, "Q4_0"), "W4A16_ASYM": (64, "Q4_1"), "W8A16": (None, "Q8_0"), "W8A8": (None, "Q8_0")}
+PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
+POOL = 1 << 24  # KV bytes: room for these prompts
+
+
+@pytest.fixture(scope="module")
+def compressed(tiny_model_dir, tmp_path_factory):
+    """scheme -> a compressed-tensors checkpoint of the tiny model (bfloat16 scales, as llm-compressor saves them)."""
+    root = tmp_path_factory.mktemp("compressed")
+    return {scheme: write_compressed(tiny_model_dir, root / scheme, scheme, group_size=group or 128)
+            for scheme, (group, _) in SCHEMES.items()}
+
+
+def library_weights(model_dir) -> dict[str, torch.Tensor]:
+    """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as library_dequantize
+    from safetensors import safe_open
+
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    args = QuantizationArgs(**config["config_groups"]["group_0"]["weights"])
+    weights = {}
+    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
+        names = set(f.keys())
+        for prefix in sorted(n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")):
+            scale, zero_point = f.get_tensor(f"{prefix}.weight_scale").double(), None
+            if config["format"] == "pack-quantized":
+                shape = torch.Size(f.get_tensor(f"{prefix}.weight_shape").tolist())
+                q = unpack_from_int32(f.get_tensor(f"{prefix}.weight_packed"), args.num_bits, shape)
+                if f"{prefix}.weight_zero_point" in names:
+                    zero_point = unpack_from_int32(f.get_tensor(f"{prefix}.weight_zero_point"), args.num_bits,
+                                                   torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
+            else:
+                q = f.get_tensor(f"{prefix}.weight")
+            weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)
+    return weights
+
+
+@pytest.fixture
+def run(drive):
+    """An engine's greedy tokens for PROMPTS and each token's logprob."""
+    def tokens_and_logprobs(engine: LLMEngine) -> list[tuple[list[int], list[float]]]:
+        outputs = [out.outputs[0] for out in drive(engine, PROMPTS, GREEDY)]
+        return [(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)]) for o in outputs]
+    return tokens_and_logprobs
+
+
+def engine(model_dir, **knobs) -> LLMEngine:
+    return LLMEngine(model=str(model_dir), dtype="float32", max_model_len=128, kv_cache_memory_bytes=POOL, **knobs)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_linear_reads_as_the_librarys_own_dequantization_and_its_blocks_hold_the_same_weights(
+        compressed, scheme):
+    """Symmetric schemes exactly; W4A16_ASYM's blocks within float16's rounding of their mins s * (z + 8)."""
+    checkpoint = open_checkpoint(compressed[scheme], torch.float32, torch.device("cpu"))
+    assert isinstance(checkpoint, CompressedCheckpoint)
+    reference = library_weights(compressed[scheme])
+    assert len(reference) == 14  # 7 linears in each of the 2 layers; the LM head is left out (`ignore`)
+    for name, weight in reference.items():
+        assert torch.equal(checkpoint.get(name, torch.float64), weight), name
+        blocks, qtype = checkpoint.blocks([name])
+        assert qtype.name == SCHEMES[scheme][1]
+        held = dequantize(blocks, qtype, torch.float64)
+        if scheme == "W4A16_ASYM":  # within float16's half step at the largest |m| (|m| <= 16 s <= 2 max |w|) ...
+            assert (held - weight).abs().max() <= weight.abs().amax() * 2 ** -10, name
+            # ... and closer than the library's own de-quantization in the scales' dtype, what transformers runs
+            in_bfloat16 = weight.bfloat16().double()
+            assert (held - weight).abs().max() <= (in_bfloat16 - weight).abs().max(), name
+        else:
+            assert torch.equal(held, weight), name
+    assert checkpoint.int8_activations == (scheme == "W8A8")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_weights(
+        compressed, scheme, tiny_model_dir, tmp_path, run):
+    """`quantization` left unset runs the checkpoint as stored, as vLLM does; the reference engine runs a plain
+    checkpoint holding the library's de-quantized weights in float32 (and the checkpoint's other tensors)."""
+    from safetensors.torch import load_file, save_file
+
+    plain = shutil.copytree(tiny_model_dir, tmp_path / "dequantized")
+    tensors = {name: tensor.float() for name, tensor in load_file(compressed[scheme] / "model.safetensors").items()
+               if ".weight_" not in name and tensor.is_floating_point()}
+    tensors |= {name: weight.float() for name, weight in library_weights(compressed[scheme]).items()}
+    save_file(tensors, plain / "model.safetensors", metadata={"format": "pt"})
+    expected = run(engine(plain))
+
+    quantized = engine(compressed[scheme])
+    layer = quantized.decoder.layers[0]
+    linears = [layer.qkv, layer.o_proj, layer.gate_up, layer.down]
+    assert all(isinstance(linear, QuantizedLinear) and linear.qtype.name == SCHEMES[scheme][1] for linear in linears)
+    assert all(linear.int8 == (scheme == "W8A8") for linear in linears)  # bfloat16 activations of 16 rows only
+    got = run(quantized)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+    for (_, ours), (_, theirs) in zip(got, expected):
+        # W4A16_ASYM: its mins rounded to float16 move this random model's logprobs by up to ~5e-3 (measured)
+        assert ours == pytest.approx(theirs, abs=1e-4 if scheme != "W4A16_ASYM" else 2e-2)
+
+
+def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(tiny_model_dir, tmp_path, caplog):
+    """A checkpoint saved in float32 has float32 scales: its linears run de-quantized, as exactly as stored."""
+    model_dir = write_compressed(tiny_model_dir, tmp_path / "fp32", "W4A16", group_size=32, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.model.compressed_tensors"):
+        dense = engine(model_dir)
+    said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
+    assert len(said) == 1 and "14 linear(s)" in said[0] and "float32 scales" in said[0], said
+    assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)
+    weights = library_weights(model_dir)
+    layer = open_checkpoint(model_dir, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(layer.get(name, torch.float64), weight) for name, weight in weights.items())
+
+
+def test_a_tensor_parallel_engine_runs_the_checkpoint_dequantized_with_the_same_tokens(compressed, run):
+    expected = run(engine(compressed["W4A16"]))
+    split = engine(compressed["W4A16"], tensor_parallel_size=2, distributed_timeout_s=20)
+    try:
+        assert [tokens for tokens, _ in run(split)] == [tokens for tokens, _ in expected]
+    finally:
+        split.shutdown()
+
+
+def test_what_contradicts_the_checkpoint_or_cannot_be_read_is_refused_by_name(compressed, tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="quantization.*compressed-tensors checkpoint"):
+        engine(compressed["W4A16"], quantization="gguf")
+    with pytest.raises(ConfigError, match="quantization.*not a compressed-tensors checkpoint"):
+        engine(tiny_model_dir, quantization="compressed-tensors")
+    fp8 = shutil.copytree(compressed["W8A16"], tmp_path / "fp8")
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"]["format"] = "float-quantized"
+    config["quantization_config"]["config_groups"]["group_0"]["format"] = "float-quantized"
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="float-quantized"):
+        engine(fp8)
