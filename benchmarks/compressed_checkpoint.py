@@ -1,6 +1,8 @@
-"""A compressed-tensors checkpoint of any local model, written by the compressed-tensors library itself (a test and
-benchmark dependency, not kvloom's): round-to-nearest scales from each group's min and max, as llm-compressor's
-weight-only schemes compute them without calibration data, then its own compressor and config writer."""
+"""Integer checkpoints of any local model, as the quantizers write them: compressed-tensors (written by that library
+itself, a test and benchmark dependency, not kvloom's: round-to-nearest scales from each group's min and max, as
+llm-compressor's weight-only schemes compute them without calibration data, then its own compressor and config
+writer), and AutoAWQ's GEMM format (round to nearest as AutoAWQ's `pseudo_quantize_tensor`, without its activation
+search, packed in its order)."""
 
 from pathlib import Path
 
@@ -14,12 +16,19 @@ SCHEMES = {
 }
 
 
+def copy_tokenizer(model_dir: Path, target: Path) -> None:
+    """The tokenizer's and generation config's files, which a quantizer saves beside its weights."""
+    import shutil
+
+    for path in model_dir.iterdir():
+        if path.name.startswith("tokenizer") or path.name in ("special_tokens_map.json", "generation_config.json"):
+            shutil.copy(path, target / path.name)
+
+
 def write_compressed(model_dir: Path, target: Path, scheme: str, group_size: int = 128, dtype: str = "bfloat16",
                      ignore: tuple[str, ...] = ("lm_head",)) -> Path:
     """`model_dir`'s linears quantized by `scheme` (SCHEMES; `group_size` for the grouped ones), the model loaded in
     `dtype` (the scales' dtype), saved with its tokenizer files to `target` as llm-compressor saves."""
-    import shutil
-
     import torch
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
@@ -48,7 +57,38 @@ def write_compressed(model_dir: Path, target: Path, scheme: str, group_size: int
     compressor.compress_model(model)
     model.save_pretrained(target)
     compressor.update_config(target)
-    for path in model_dir.iterdir():
-        if path.name.startswith("tokenizer") or path.name in ("special_tokens_map.json", "generation_config.json"):
-            shutil.copy(path, target / path.name)
+    copy_tokenizer(model_dir, target)
+    return target
+
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's gemm packing: nibble i of a word holds output 8c + AWQ_ORDER[i]
+
+
+def write_awq(model_dir: Path, target: Path, group_size: int = 128) -> Path:
+    """`model_dir`'s layer linears as AutoAWQ's 4-bit gemm checkpoint (float16 scales, zero points), with its config."""
+    import json
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    def pack(nibbles: torch.Tensor) -> torch.Tensor:  # [R, C] in 0..15 -> int32 [R, C / 8] in AutoAWQ's order
+        words = nibbles.to(torch.int32).unflatten(-1, (-1, 8))[..., AWQ_ORDER]
+        return (words << (torch.arange(8, dtype=torch.int32) * 4)).sum(-1, dtype=torch.int32)
+
+    tensors = {name: t.half() for name, t in load_file(model_dir / "model.safetensors").items()}
+    for name in [n for n in tensors if ".layers." in n and n.endswith("_proj.weight")]:
+        w = tensors.pop(name).float().T.unflatten(0, (-1, group_size))  # [K / g, g, N]
+        low, high = w.amin(1).clamp(max=0), w.amax(1).clamp(min=0)
+        scales = ((high - low).clamp(min=1e-5) / 15).half()
+        zeros = (-torch.round(low / scales.float())).clamp(0, 15)
+        q = (torch.round(w / scales.float()[:, None]) + zeros[:, None]).clamp(0, 15).flatten(0, 1)  # [K, N]
+        prefix = name.removesuffix(".weight")
+        tensors |= {f"{prefix}.qweight": pack(q), f"{prefix}.qzeros": pack(zeros), f"{prefix}.scales": scales}
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((model_dir / "config.json").read_text())
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True,
+                                     "version": "gemm", "modules_to_not_convert": None}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(model_dir, target)
     return target

@@ -12,7 +12,9 @@ import torch
 from safetensors import SafetensorError
 
 from kvloom.engine.model.checkpoint import Checkpoint
-from kvloom.engine.model.compressed_tensors import CompressedCheckpoint, open_checkpoint
+from kvloom.engine.model.awq import open_awq
+from kvloom.engine.model.compressed_tensors import open_compressed
+from kvloom.engine.model.integer_weights import IntegerCheckpoint
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.errors import ConfigError, ModelLoadError
@@ -60,18 +62,35 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     return LoadedModel(config, tokenizer, load_decoder(model_dir, config, dtype, device, model_impl))
 
 
+INTEGER_CHECKPOINTS = {"compressed-tensors": open_compressed, "awq": open_awq}  # quant_method -> its reader
+
+
+def open_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint | None:
+    """The directory's safetensors checkpoint, read through its integer weights where config.json's
+    `quantization_config` names a format kvloom reads as stored (compressed-tensors, AWQ)."""
+    checkpoint = Checkpoint.open(model_dir, dtype, device)
+    config = ModelConfig.from_dir(model_dir).raw.get("quantization_config") or {}
+    method = config.get("quant_method")
+    if checkpoint is None or method is None:
+        return checkpoint
+    if method not in INTEGER_CHECKPOINTS:
+        raise ModelLoadError(f"{model_dir}: quantization_config's quant_method {method!r} is not one kvloom reads "
+                             f"({', '.join(INTEGER_CHECKPOINTS)})")
+    return INTEGER_CHECKPOINTS[method](checkpoint, config)
+
+
 def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str | None) -> BlockSource | None:
-    """The GGUF blocks the decoder runs as stored: a GGUF model's for `quantization: gguf` (or gguf-int8), a
-    compressed-tensors checkpoint's unless `quantization` asks for something else."""
-    if isinstance(checkpoint, CompressedCheckpoint):
-        if quantization not in (None, "compressed-tensors", "fp8"):
-            raise ConfigError("quantization", f"{model_dir} is a compressed-tensors checkpoint: leave quantization "
-                                              "unset or set it to compressed-tensors (or fp8)")
+    """The GGUF blocks the decoder runs as stored: a GGUF model's for `quantization: gguf` (or gguf-int8); an
+    integer checkpoint's (compressed-tensors, AWQ) unless `quantization` asks for fp8."""
+    if isinstance(checkpoint, IntegerCheckpoint):
+        if quantization not in (None, checkpoint.method, "fp8"):
+            raise ConfigError("quantization", f"{model_dir} is a {checkpoint.method} checkpoint: leave quantization "
+                                              f"unset or set it to {checkpoint.method} (or fp8)")
         return checkpoint if quantization != "fp8" else None
     if quantization in (None, "fp8"):
         return None
-    if quantization == "compressed-tensors":
-        raise ConfigError("quantization", f"{model_dir} is not a compressed-tensors checkpoint (its config.json's "
+    if quantization in INTEGER_CHECKPOINTS:
+        raise ConfigError("quantization", f"{model_dir} is not a {quantization} checkpoint (its config.json's "
                                           "quantization_config does not say so)")
     quantized = QuantizedWeights.open(model_dir, int8_activations=quantization == "gguf-int8")
     if quantized is None:
@@ -85,8 +104,8 @@ def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, g
                        dtype: torch.dtype, device: torch.device) -> FusedDecoder:
     """One tensor-parallel rank's decoder, holding only its slices of the weights (see tp_shards.py)."""
     checkpoint = open_checkpoint(model_dir, dtype, device)
-    if isinstance(checkpoint, CompressedCheckpoint):
-        logger.info("quantization compressed-tensors: tensor-parallel ranks run its linears de-quantized")
+    if isinstance(checkpoint, IntegerCheckpoint):
+        logger.info("quantization %s: tensor-parallel ranks run its linears de-quantized", checkpoint.method)
     reason = FusedDecoder.unsupported(config, checkpoint)
     if reason is not None:
         raise ConfigError("tensor_parallel_size", f"tensor parallelism runs kvloom's fused decoder, which does not "
@@ -107,13 +126,13 @@ def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
         if reason is None:
             quantized = quantized_weights(model_dir, checkpoint, quantization)
             decoder = FusedDecoder(config, checkpoint, quantized=quantized, fp8=quantization == "fp8")
-            if isinstance(quantized, CompressedCheckpoint):
+            if isinstance(quantized, IntegerCheckpoint):
                 quantized.log_inflated()
             return decoder
         if model_impl == "kvloom":
             raise ConfigError("model_impl", f"kvloom's fused decoder does not cover this model ({reason}); "
                                             "use auto or transformers")
-        if quantization is not None or isinstance(checkpoint, CompressedCheckpoint):
+        if quantization is not None or isinstance(checkpoint, IntegerCheckpoint):
             raise ConfigError("quantization", f"quantized weights run in kvloom's fused decoder, which does not "
                                               f"cover this model ({reason})")
     elif quantization is not None:

@@ -1,10 +1,12 @@
-"""compressed-tensors checkpoints (llm-compressor's format, which vLLM runs: W4A16, W8A16, W8A8 integers), written
-here by the compressed-tensors library itself from a tiny random Llama. kvloom reads them without that library
-(engine/model/compressed_tensors.py): every linear reads as the library's own de-quantization, computed in float64,
-and runs as GGUF blocks in kvloom's quantized GEMM (tests/test_quantized_linear.py checks that GEMM against
-de-quantize-then-matmul for each block type), so an engine on the checkpoint gives the tokens of an engine on its
-de-quantized weights. What kvloom cannot hold as blocks runs de-quantized, said once; what it cannot read at all,
-and `quantization` values that contradict the checkpoint, are refused by name."""
+"""Integer checkpoints as quantizers write them, from a tiny random Llama: compressed-tensors (llm-compressor's
+format, which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself, and AutoAWQ's 4-bit
+gemm format, whose reference is that library's own AutoAWQ converter. kvloom reads both without it
+(engine/model/compressed_tensors.py, awq.py): every linear reads as the library's own de-quantization, computed in
+float64, and runs as GGUF blocks in kvloom's quantized GEMM (engine/model/integer_weights.py;
+tests/test_quantized_linear.py checks that GEMM against de-quantize-then-matmul for each block type), so an engine on
+the checkpoint gives the tokens of an engine on its de-quantized weights. What kvloom cannot hold as blocks runs
+de-quantized, said once; what it cannot read at all, and `quantization` values that contradict the checkpoint, are
+refused by name."""
 
 import json
 import logging
@@ -13,10 +15,11 @@ import shutil
 import pytest
 import torch
 
-from kvloom.benchmarks.compressed_checkpoint import write_compressed
+from kvloom.benchmarks.compressed_checkpoint import write_awq, write_compressed
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
-from kvloom.engine.model.compressed_tensors import CompressedCheckpoint, open_checkpoint
+from kvloom.engine.model.integer_weights import IntegerCheckpoint
+from kvloom.engine.model.model_loader import open_checkpoint
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.gguf_blocks import dequantize
 from kvloom.kernels.quantized_linear import QuantizedLinear
@@ -24,7 +27,9 @@ from kvloom.kernels.quantized_linear import QuantizedLinear
 pytest.importorskip("compressed_tensors")
 
 # scheme, group size, the GGUF block type kvloom holds it in
-SCHEMES = {"W4A16": (32, "Q4_0"), "W4A16_ASYM": (64, "Q4_1"), "W8A16": (None, "Q8_0"), "W8A8": (None, "Q8_0")}
+SCHEMES = {"W4A16": (32, "Q4_0"), "W4A16_ASYM": (64, "Q4_1"), "W8A16": (None, "Q8_0"), "W8A8": (None, "Q8_0"),
+           "AWQ": (32, "Q4_1")}
+ZERO_POINTS = ("W4A16_ASYM", "AWQ")  # Q4_1 blocks: their mins rounded to float16
 PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
 POOL = 1 << 24  # KV bytes: room for these prompts
@@ -32,35 +37,41 @@ POOL = 1 << 24  # KV bytes: room for these prompts
 
 @pytest.fixture(scope="module")
 def compressed(tiny_model_dir, tmp_path_factory):
-    """scheme -> a compressed-tensors checkpoint of the tiny model (bfloat16 scales, as llm-compressor saves them)."""
+    """scheme -> a checkpoint of the tiny model (16-bit scales, as the quantizers save them)."""
     root = tmp_path_factory.mktemp("compressed")
-    return {scheme: write_compressed(tiny_model_dir, root / scheme, scheme, group_size=group or 128)
-            for scheme, (group, _) in SCHEMES.items()}
+    checkpoints = {scheme: write_compressed(tiny_model_dir, root / scheme, scheme, group_size=group or 128)
+                   for scheme, (group, _) in SCHEMES.items() if scheme != "AWQ"}
+    return checkpoints | {"AWQ": write_awq(tiny_model_dir, root / "AWQ", group_size=SCHEMES["AWQ"][0])}
 
 
 def library_weights(model_dir) -> dict[str, torch.Tensor]:
-    """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64."""
+    """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64 (an AutoAWQ
+    checkpoint through the library's converter to its own format first)."""
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize as library_dequantize
-    from safetensors import safe_open
+    from safetensors.torch import load_file
 
+    tensors = load_file(model_dir / "model.safetensors")
     config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    args = QuantizationArgs(**config["config_groups"]["group_0"]["weights"])
+    if config["quant_method"] == "awq":
+        converter = AutoAWQConverter.from_autoawq_config(config)
+        tensors, config = converter.process(tensors), converter.update_config(None).model_dump()
+    [group] = config["config_groups"].values()
+    args = QuantizationArgs(**group["weights"])
     weights = {}
-    with safe_open(model_dir / "model.safetensors", framework="pt") as f:
-        names = set(f.keys())
-        for prefix in sorted(n.removesuffix(".weight_scale") for n in names if n.endswith(".weight_scale")):
-            scale, zero_point = f.get_tensor(f"{prefix}.weight_scale").double(), None
-            if config["format"] == "pack-quantized":
-                shape = torch.Size(f.get_tensor(f"{prefix}.weight_shape").tolist())
-                q = unpack_from_int32(f.get_tensor(f"{prefix}.weight_packed"), args.num_bits, shape)
-                if f"{prefix}.weight_zero_point" in names:
-                    zero_point = unpack_from_int32(f.get_tensor(f"{prefix}.weight_zero_point"), args.num_bits,
-                                                   torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
-            else:
-                q = f.get_tensor(f"{prefix}.weight")
-            weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)
+    for prefix in sorted(n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")):
+        scale, zero_point = tensors[f"{prefix}.weight_scale"].double(), None
+        if config["format"] == "pack-quantized":
+            shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
+            q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], args.num_bits, shape)
+            if f"{prefix}.weight_zero_point" in tensors:
+                zero_point = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], args.num_bits,
+                                               torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
+        else:
+            q = tensors[f"{prefix}.weight"]
+        weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)
     return weights
 
 
@@ -80,9 +91,9 @@ def engine(model_dir, **knobs) -> LLMEngine:
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_every_linear_reads_as_the_librarys_own_dequantization_and_its_blocks_hold_the_same_weights(
         compressed, scheme):
-    """Symmetric schemes exactly; W4A16_ASYM's blocks within float16's rounding of their mins s * (z + 8)."""
+    """Symmetric schemes exactly; those with zero points within float16's rounding of their mins s * (z + 8)."""
     checkpoint = open_checkpoint(compressed[scheme], torch.float32, torch.device("cpu"))
-    assert isinstance(checkpoint, CompressedCheckpoint)
+    assert isinstance(checkpoint, IntegerCheckpoint)
     reference = library_weights(compressed[scheme])
     assert len(reference) == 14  # 7 linears in each of the 2 layers; the LM head is left out (`ignore`)
     for name, weight in reference.items():
@@ -90,7 +101,7 @@ def test_every_linear_reads_as_the_librarys_own_dequantization_and_its_blocks_ho
         blocks, qtype = checkpoint.blocks([name])
         assert qtype.name == SCHEMES[scheme][1]
         held = dequantize(blocks, qtype, torch.float64)
-        if scheme == "W4A16_ASYM":  # within float16's half step at the largest |m| (|m| <= 16 s <= 2 max |w|) ...
+        if scheme in ZERO_POINTS:  # within float16's half step at the largest |m| (|m| <= 16 s <= 2 max |w|) ...
             assert (held - weight).abs().max() <= weight.abs().amax() * 2 ** -10, name
             # ... and closer than the library's own de-quantization in the scales' dtype, what transformers runs
             in_bfloat16 = weight.bfloat16().double()
@@ -109,7 +120,7 @@ def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_
 
     plain = shutil.copytree(tiny_model_dir, tmp_path / "dequantized")
     tensors = {name: tensor.float() for name, tensor in load_file(compressed[scheme] / "model.safetensors").items()
-               if ".weight_" not in name and tensor.is_floating_point()}
+               if tensor.is_floating_point() and not name.endswith((".weight_scale", ".scales"))}
     tensors |= {name: weight.float() for name, weight in library_weights(compressed[scheme]).items()}
     save_file(tensors, plain / "model.safetensors", metadata={"format": "pt"})
     expected = run(engine(plain))
@@ -122,14 +133,14 @@ def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_
     got = run(quantized)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
     for (_, ours), (_, theirs) in zip(got, expected):
-        # W4A16_ASYM: its mins rounded to float16 move this random model's logprobs by up to ~5e-3 (measured)
-        assert ours == pytest.approx(theirs, abs=1e-4 if scheme != "W4A16_ASYM" else 2e-2)
+        # mins rounded to float16 move this random model's logprobs by up to ~5e-3 (measured)
+        assert ours == pytest.approx(theirs, abs=2e-2 if scheme in ZERO_POINTS else 1e-4)
 
 
 def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(tiny_model_dir, tmp_path, caplog):
     """A checkpoint saved in float32 has float32 scales: its linears run de-quantized, as exactly as stored."""
     model_dir = write_compressed(tiny_model_dir, tmp_path / "fp32", "W4A16", group_size=32, dtype="float32")
-    with caplog.at_level(logging.INFO, logger="kvloom.engine.model.compressed_tensors"):
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.model.integer_weights"):
         dense = engine(model_dir)
     said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
     assert len(said) == 1 and "14 linear(s)" in said[0] and "float32 scales" in said[0], said
@@ -160,3 +171,11 @@ def test_what_contradicts_the_checkpoint_or_cannot_be_read_is_refused_by_name(co
     (fp8 / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="float-quantized"):
         engine(fp8)
+    with pytest.raises(ConfigError, match="quantization.*awq checkpoint"):
+        engine(compressed["AWQ"], quantization="compressed-tensors")
+    gptq = shutil.copytree(compressed["AWQ"], tmp_path / "gptq")
+    config = json.loads((gptq / "config.json").read_text())
+    config["quantization_config"]["quant_method"] = "gptq"
+    (gptq / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="'gptq' is not one kvloom reads"):
+        engine(gptq)
