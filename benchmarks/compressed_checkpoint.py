@@ -92,3 +92,59 @@ def write_awq(model_dir: Path, target: Path, group_size: int = 128) -> Path:
     (target / "config.json").write_text(json.dumps(config, indent=2))
     copy_tokenizer(model_dir, target)
     return target
+
+
+def library_dequantized(model_dir: Path) -> dict:
+    """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64 (an AutoAWQ
+    checkpoint through the library's converter to its own format first)."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as library_dequantize
+    from safetensors.torch import load_file
+
+    tensors = load_file(model_dir / "model.safetensors")
+    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
+    if config["quant_method"] == "awq":
+        converter = AutoAWQConverter.from_autoawq_config(config)
+        tensors, config = converter.process(tensors), converter.update_config(None).model_dump()
+    [group] = config["config_groups"].values()
+    args = QuantizationArgs(**group["weights"])
+    weights = {}
+    for prefix in sorted(n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")):
+        scale, zero_point = tensors[f"{prefix}.weight_scale"].double(), None
+        if config["format"] == "pack-quantized":
+            shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
+            q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], args.num_bits, shape)
+            if f"{prefix}.weight_zero_point" in tensors:
+                zero_point = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], args.num_bits,
+                                               torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
+        else:
+            q = tensors[f"{prefix}.weight"]
+        weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)
+    return weights
+
+
+def write_with_references(jobs: list[dict]) -> None:
+    """Each job's checkpoint (`write_awq` for scheme AWQ, else `write_compressed`: model_dir, target, scheme,
+    group_size, dtype) and, beside it, `reference.safetensors`: `library_dequantized` of it. Tests run this in a
+    process of its own: the compressed-tensors library imports triton, which a test process must import later."""
+    from safetensors.torch import save_file
+
+    for job in jobs:
+        source, target = Path(job["model_dir"]), Path(job["target"])
+        if job["scheme"] == "AWQ":
+            write_awq(source, target, job["group_size"])
+        else:
+            write_compressed(source, target, job["scheme"], job["group_size"], job.get("dtype", "bfloat16"))
+        save_file(library_dequantized(target), target.parent / f"{target.name}.reference.safetensors")
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    write_with_references(json.loads(sys.argv[1]))

@@ -1,6 +1,8 @@
 """Integer checkpoints as quantizers write them, from a tiny random Llama: compressed-tensors (llm-compressor's
 format, which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself, and AutoAWQ's 4-bit
-gemm format, whose reference is that library's own AutoAWQ converter. kvloom reads both without it
+gemm format, whose reference is that library's own AutoAWQ converter (both written, and the library's references
+computed, in a process of their own: the library imports triton, which Triton's interpreter tests here must import
+first). kvloom reads both without it
 (engine/model/compressed_tensors.py, awq.py): every linear reads as the library's own de-quantization, computed in
 float64, and runs as GGUF blocks in kvloom's quantized GEMM (engine/model/integer_weights.py;
 tests/test_quantized_linear.py checks that GEMM against de-quantize-then-matmul for each block type), so an engine on
@@ -11,11 +13,14 @@ refused by name."""
 import json
 import logging
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from kvloom.benchmarks.compressed_checkpoint import write_awq, write_compressed
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model.integer_weights import IntegerCheckpoint
@@ -24,7 +29,6 @@ from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.gguf_blocks import dequantize
 from kvloom.kernels.quantized_linear import QuantizedLinear
 
-pytest.importorskip("compressed_tensors")
 
 # scheme, group size, the GGUF block type kvloom holds it in
 SCHEMES = {"W4A16": (32, "Q4_0"), "W4A16_ASYM": (64, "Q4_1"), "W8A16": (None, "Q8_0"), "W8A8": (None, "Q8_0"),
@@ -35,44 +39,26 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=Tru
 POOL = 1 << 24  # KV bytes: room for these prompts
 
 
+def write_checkpoints(jobs: list[dict]) -> None:
+    """benchmarks/compressed_checkpoint.py's writers, in a process of their own (the library imports triton)."""
+    done = subprocess.run([sys.executable, "-m", "kvloom.benchmarks.compressed_checkpoint", json.dumps(jobs)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def compressed(tiny_model_dir, tmp_path_factory):
     """scheme -> a checkpoint of the tiny model (16-bit scales, as the quantizers save them)."""
     root = tmp_path_factory.mktemp("compressed")
-    checkpoints = {scheme: write_compressed(tiny_model_dir, root / scheme, scheme, group_size=group or 128)
-                   for scheme, (group, _) in SCHEMES.items() if scheme != "AWQ"}
-    return checkpoints | {"AWQ": write_awq(tiny_model_dir, root / "AWQ", group_size=SCHEMES["AWQ"][0])}
+    jobs = [{"model_dir": str(tiny_model_dir), "target": str(root / scheme), "scheme": scheme,
+             "group_size": group or 128} for scheme, (group, _) in SCHEMES.items()]
+    write_checkpoints(jobs)
+    return {scheme: root / scheme for scheme in SCHEMES}
 
 
-def library_weights(model_dir) -> dict[str, torch.Tensor]:
-    """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64 (an AutoAWQ
-    checkpoint through the library's converter to its own format first)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from compressed_tensors.entrypoints.convert.converters.autoawq import AutoAWQConverter
-    from compressed_tensors.quantization import QuantizationArgs
-    from compressed_tensors.quantization.lifecycle.forward import dequantize as library_dequantize
-    from safetensors.torch import load_file
-
-    tensors = load_file(model_dir / "model.safetensors")
-    config = json.loads((model_dir / "config.json").read_text())["quantization_config"]
-    if config["quant_method"] == "awq":
-        converter = AutoAWQConverter.from_autoawq_config(config)
-        tensors, config = converter.process(tensors), converter.update_config(None).model_dump()
-    [group] = config["config_groups"].values()
-    args = QuantizationArgs(**group["weights"])
-    weights = {}
-    for prefix in sorted(n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")):
-        scale, zero_point = tensors[f"{prefix}.weight_scale"].double(), None
-        if config["format"] == "pack-quantized":
-            shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
-            q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], args.num_bits, shape)
-            if f"{prefix}.weight_zero_point" in tensors:
-                zero_point = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], args.num_bits,
-                                               torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
-        else:
-            q = tensors[f"{prefix}.weight"]
-        weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)
-    return weights
+def library_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    """The compressed-tensors library's float64 de-quantization of each quantized linear, as its process saved it."""
+    return load_file(model_dir.parent / f"{model_dir.name}.reference.safetensors")
 
 
 @pytest.fixture
@@ -116,7 +102,7 @@ def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_
         compressed, scheme, tiny_model_dir, tmp_path, run):
     """`quantization` left unset runs the checkpoint as stored, as vLLM does; the reference engine runs a plain
     checkpoint holding the library's de-quantized weights in float32 (and the checkpoint's other tensors)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     plain = shutil.copytree(tiny_model_dir, tmp_path / "dequantized")
     tensors = {name: tensor.float() for name, tensor in load_file(compressed[scheme] / "model.safetensors").items()
@@ -139,7 +125,9 @@ def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_
 
 def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(tiny_model_dir, tmp_path, caplog):
     """A checkpoint saved in float32 has float32 scales: its linears run de-quantized, as exactly as stored."""
-    model_dir = write_compressed(tiny_model_dir, tmp_path / "fp32", "W4A16", group_size=32, dtype="float32")
+    model_dir = tmp_path / "fp32"
+    write_checkpoints([{"model_dir": str(tiny_model_dir), "target": str(model_dir), "scheme": "W4A16", "group_size": 32,
+                        "dtype": "float32"}])
     with caplog.at_level(logging.INFO, logger="kvloom.engine.model.integer_weights"):
         dense = engine(model_dir)
     said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
