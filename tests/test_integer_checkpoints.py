@@ -52,8 +52,11 @@ def compressed(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("compressed")
     jobs = [{"model_dir": str(tiny_model_dir), "target": str(root / scheme), "scheme": scheme,
              "group_size": group or 128} for scheme, (group, _) in SCHEMES.items()]
+    # and one saved in float32, whose scales float16 does not hold
+    jobs.append({"model_dir": str(tiny_model_dir), "target": str(root / "float32"), "scheme": "W4A16",
+                 "group_size": 32, "dtype": "float32"})
     write_checkpoints(jobs)
-    return {scheme: root / scheme for scheme in SCHEMES}
+    return {scheme: root / scheme for scheme in [*SCHEMES, "float32"]}
 
 
 def library_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -123,11 +126,9 @@ def test_an_engine_on_the_checkpoint_gives_the_tokens_of_one_on_its_dequantized_
         assert ours == pytest.approx(theirs, abs=2e-2 if scheme in ZERO_POINTS else 1e-4)
 
 
-def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(tiny_model_dir, tmp_path, caplog):
+def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(compressed, caplog):
     """A checkpoint saved in float32 has float32 scales: its linears run de-quantized, as exactly as stored."""
-    model_dir = tmp_path / "fp32"
-    write_checkpoints([{"model_dir": str(tiny_model_dir), "target": str(model_dir), "scheme": "W4A16", "group_size": 32,
-                        "dtype": "float32"}])
+    model_dir = compressed["float32"]
     with caplog.at_level(logging.INFO, logger="kvloom.engine.model.integer_weights"):
         dense = engine(model_dir)
     said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
