@@ -136,7 +136,8 @@ def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(co
     assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)
     weights = library_weights(model_dir)
     layer = open_checkpoint(model_dir, torch.float32, torch.device("cpu"))
-    assert all(torch.equal(layer.get(name, torch.float64), weight) for name, weight in weights.items())
+    # s * (q - z) with float32 s, rounded once to float32: the library's float64 product rounded the same
+    assert all(torch.equal(layer.get(name, torch.float32), weight.float()) for name, weight in weights.items())
 
 
 def test_a_tensor_parallel_engine_runs_the_checkpoint_dequantized_with_the_same_tokens(compressed, run):
@@ -168,3 +169,40 @@ def test_what_contradicts_the_checkpoint_or_cannot_be_read_is_refused_by_name(co
     (gptq / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="'gptq' is not one kvloom reads"):
         engine(gptq)
+
+
+def rewritten(model_dir: Path, target: Path, **changes) -> Path:
+    """A copy of the checkpoint whose quantization_config has `changes`."""
+    copy = shutil.copytree(model_dir, target)
+    config = json.loads((copy / "config.json").read_text())
+    config["quantization_config"] |= changes
+    (copy / "config.json").write_text(json.dumps(config))
+    return copy
+
+
+def test_a_module_takes_the_scheme_of_the_group_naming_it_most_closely_and_one_named_by_none_is_refused(
+        compressed, tmp_path):
+    """As the library ranks targets: the name itself, then a regex, then the class `Linear`, whatever the groups'
+    order (a first match would read the 8-bit weights below as 4-bit ones)."""
+    [eight_bit] = json.loads((compressed["W8A16"] / "config.json").read_text())["quantization_config"][
+        "config_groups"].values()
+    four_bit = {**eight_bit, "weights": {**eight_bit["weights"], "num_bits": 4, "strategy": "group", "group_size": 32}}
+    model_dir = rewritten(compressed["W8A16"], tmp_path / "ranked", config_groups={
+        "first": {**four_bit, "targets": ["Linear"]}, "second": {**eight_bit, "targets": ["re:.*_proj$"]}})
+    checkpoint = open_checkpoint(model_dir, torch.float32, torch.device("cpu"))
+    for name, weight in library_weights(compressed["W8A16"]).items():
+        assert torch.equal(checkpoint.get(name, torch.float64), weight), name
+    narrow = rewritten(compressed["W8A16"], tmp_path / "narrow",
+                       config_groups={"only": {**eight_bit, "targets": ["re:.*q_proj$"]}})
+    with pytest.raises(ModelLoadError, match="down_proj is stored quantized but no config group targets it"):
+        engine(narrow)
+
+
+def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused(compressed, tmp_path):
+    [group] = json.loads((compressed["W4A16"] / "config.json").read_text())["quantization_config"][
+        "config_groups"].values()
+    reordered = {"group_0": {**group, "weights": {**group["weights"], "actorder": "group"}}}
+    for name, changes in {"actorder": {"config_groups": reordered}, "frozen": {"quantization_status": "frozen"},
+                          "rotated": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}}.items():
+        with pytest.raises(ModelLoadError, match="consecutive groups without rotations"):
+            engine(rewritten(compressed["W4A16"], tmp_path / name, **changes))

@@ -37,5 +37,5 @@ class AwqCheckpoint(IntegerCheckpoint):
     def integers(self, prefix: str) -> Integers:
         q = unpack_awq(self.raw(f"{prefix}.qweight")).T - 8  # [N, K], signed
         scale = self.raw(f"{prefix}.scales").T
-        zero = None if self.schemes[prefix].symmetric else unpack_awq(self.raw(f"{prefix}.qzeros")).T - 8
-        return Integers(q.contiguous(), scale.contiguous(), zero if zero is None else zero.contiguous())
+        zero = None if self.schemes[prefix].symmetric else (unpack_awq(self.raw(f"{prefix}.qzeros")).T - 8).contiguous()
+        return Integers(q.contiguous(), scale.contiguous(), zero)

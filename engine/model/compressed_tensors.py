@@ -32,11 +32,21 @@ def scheme_of(group: dict) -> WeightScheme:
     return WeightScheme(weights["num_bits"], weights.get("symmetric", True), int8_inputs)
 
 
-def _matches(name: str, patterns: list[str]) -> bool:
-    """compressed-tensors' targets: `re:` a regex matched from the module name's start, a class name (`Linear`:
-    every linear), or the name itself."""
-    return any(re.match(p[3:], name) if p.startswith("re:") else p == "Linear" or p == name or name.endswith(f".{p}")
-               for p in patterns)
+def _match_rank(name: str, targets: list[str]) -> int | None:
+    """How closely compressed-tensors' `targets` name a module, as the library ranks them: 0 the name itself, 1 a
+    `re:` regex matched from the name's start, 2 the class `Linear` (every linear); None: not at all."""
+    ranks = [0 if t == name else 1 if t.startswith("re:") and re.match(t[3:], name) else 2 if t == "Linear" else None
+             for t in targets]
+    return min((r for r in ranks if r is not None), default=None)
+
+
+def _scheme_for(name: str, targeted: list[tuple[list[str], WeightScheme]]) -> WeightScheme:
+    """The scheme of the group naming `name` most closely; a quantized module no group names is an error (its
+    tensors cannot be read as anything else)."""
+    ranked = [(rank, scheme) for targets, scheme in targeted if (rank := _match_rank(name, targets)) is not None]
+    if not ranked:
+        raise ModelLoadError(f"compressed-tensors: {name} is stored quantized but no config group targets it")
+    return min(ranked, key=lambda pair: pair[0])[1]
 
 
 def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
@@ -48,42 +58,47 @@ def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
 
 
 def open_compressed(checkpoint: Checkpoint, config: dict) -> "CompressedCheckpoint":
-    """`checkpoint` read through its `quantization_config` (compressed-tensors)."""
+    """`checkpoint` read through its `quantization_config` (compressed-tensors). What would read as wrong weights
+    is refused: groups ordered by activations (`actorder`, `weight_g_idx`), online rotations (`transform_config`),
+    weights not yet compressed (`quantization_status`)."""
     groups = config.get("config_groups") or {}
     formats = {group.get("format") or config.get("format") for group in groups.values()}
     if not formats or not formats <= set(FORMATS):
-        raise ModelLoadError(f"compressed-tensors format {sorted(map(str, formats))}: kvloom reads {', '.join(FORMATS)}")
+        raise ModelLoadError(f"compressed-tensors format {sorted(map(str, formats))}: kvloom reads "
+                             f"{', '.join(FORMATS)}")
+    reordered = any((group.get("weights") or {}).get("actorder") not in (None, False, "static")
+                    for group in groups.values()) or any(n.endswith(".weight_g_idx") for n in checkpoint.files)
+    if reordered or config.get("transform_config") or config.get("quantization_status", "compressed") != "compressed":
+        raise ModelLoadError("compressed-tensors: kvloom reads compressed checkpoints of consecutive groups without "
+                             "rotations (this one has activation-ordered groups, a transform_config, or "
+                             f"quantization_status {config.get('quantization_status')!r})")
     targeted = [(group.get("targets") or ["Linear"], scheme_of(group)) for group in groups.values()]
-    packed = formats == {"pack-quantized"}
-    suffix = ".weight_packed" if packed else ".weight_scale"
-    schemes = {}
-    for prefix in (name.removesuffix(suffix) for name in checkpoint.files if name.endswith(suffix)):
-        scheme = next((scheme for targets, scheme in targeted if _matches(prefix, targets)), None)
-        if scheme is not None:
-            schemes[prefix] = scheme
-    return CompressedCheckpoint(checkpoint, schemes, packed)
+    prefixes = {name.rsplit(".", 1)[0] for name in checkpoint.files
+                if name.endswith((".weight_packed", ".weight_scale"))}
+    return CompressedCheckpoint(checkpoint, {prefix: _scheme_for(prefix, targeted) for prefix in sorted(prefixes)})
 
 
 class CompressedCheckpoint(IntegerCheckpoint):
     method = "compressed-tensors"
 
-    def __init__(self, checkpoint: Checkpoint, schemes: dict[str, WeightScheme], packed: bool) -> None:
-        super().__init__(checkpoint, schemes)
-        self.packed = packed
-
     def integers(self, prefix: str) -> Integers:
         bits = self.schemes[prefix].num_bits
         scale = self.raw(f"{prefix}.weight_scale")
         scale = scale[:, None] if scale.dim() == 1 else scale
-        if self.packed:
+        packed = f"{prefix}.weight_packed" in self  # pack-quantized; else int-quantized: int8 as stored
+        if packed:
             columns = int(self.raw(f"{prefix}.weight_shape")[1])
             q = unpack(self.raw(f"{prefix}.weight_packed"), bits, columns)
         else:
-            q = self.raw(f"{prefix}.weight").to(torch.int16)
+            q = self.raw(f"{prefix}.weight")
+            if q.is_floating_point():
+                raise ModelLoadError(f"compressed-tensors: {prefix}.weight is {q.dtype}, not the integers its "
+                                     "scheme says")
+            q = q.to(torch.int16)
         zero = None
         if not self.schemes[prefix].symmetric:
             zero = self.raw(f"{prefix}.weight_zero_point")
-            if self.packed:  # packed along the outputs
+            if packed:  # packed along the outputs
                 zero = unpack(zero.T.contiguous(), bits, q.shape[0]).T
             zero = zero.to(torch.int16).reshape(scale.shape)
         return Integers(q, scale, zero)

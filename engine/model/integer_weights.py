@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloom.engine.errors import ModelLoadError
 from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.kernels.gguf_blocks import BLOCK, QuantType, to_blocks
 
@@ -46,14 +47,20 @@ class Integers:
     scale: torch.Tensor
     zero: torch.Tensor | None
 
+    def __post_init__(self) -> None:
+        if self.q.shape[1] % self.scale.shape[1]:
+            raise ModelLoadError(f"{self.q.shape[1]} inputs in {self.scale.shape[1]} groups: kvloom reads groups of "
+                                 "equal size")
+
     @property
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
     def dequantized(self) -> torch.Tensor:
-        """s * (q - z) in float64 (exact for 16-bit scales; the caller rounds once)."""
+        """s * (q - z) in float32: exact for 16-bit scales (11 significant bits times |q - z| < 2^9), rounded once
+        for float32 ones; the caller rounds once more to its dtype."""
         steps = self.q if self.zero is None else self.q - self.zero.repeat_interleave(self.group, 1)
-        return steps.double() * self.scale.double().repeat_interleave(self.group, 1)
+        return steps.float() * self.scale.float().repeat_interleave(self.group, 1)
 
 
 class IntegerCheckpoint(Checkpoint):
@@ -100,6 +107,10 @@ class IntegerCheckpoint(Checkpoint):
         by one type (see above); else None, and it runs de-quantized."""
         converted = [self._blocks(name) for name in names]
         kinds = {c[1] if c else None for c in converted}
+        if len(kinds) > 1 and None not in kinds:  # computed side by side, they need one block type
+            types = " and ".join(sorted(kind.name for kind in kinds))
+            for name in names:
+                self._dense(name.removesuffix(".weight"), f"parts stored as {types}")
         if len(kinds) != 1 or None in kinds:
             return None
         rows = [c[0] for c in converted]
