@@ -115,13 +115,13 @@ def library_dequantized(model_dir: Path) -> dict:
     args = QuantizationArgs(**group["weights"])
     weights = {}
     for prefix in sorted(n.removesuffix(".weight_scale") for n in tensors if n.endswith(".weight_scale")):
-        scale, zero_point = tensors[f"{prefix}.weight_scale"].double(), None
+        scale, zero_point = tensors[f"{prefix}.weight_scale"].double(), tensors.get(f"{prefix}.weight_zero_point")
         if config["format"] == "pack-quantized":
             shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())
             q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], args.num_bits, shape)
-            if f"{prefix}.weight_zero_point" in tensors:
-                zero_point = unpack_from_int32(tensors[f"{prefix}.weight_zero_point"], args.num_bits,
-                                               torch.Size([shape[0], scale.shape[1]]), packed_dim=0)
+            if zero_point is not None:
+                zero_point = unpack_from_int32(zero_point, args.num_bits, torch.Size([shape[0], scale.shape[1]]),
+                                               packed_dim=0)
         else:
             q = tensors[f"{prefix}.weight"]
         weights[f"{prefix}.weight"] = library_dequantize(q, scale, zero_point, args, dtype=torch.float64)

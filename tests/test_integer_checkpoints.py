@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from kvloom.engine.errors import ConfigError, ModelLoadError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.model.integer_weights import IntegerCheckpoint
+from kvloom.engine.model.model_config import ModelConfig
 from kvloom.engine.model.model_loader import open_checkpoint
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.gguf_blocks import dequantize
@@ -64,6 +65,11 @@ def library_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir.parent / f"{model_dir.name}.reference.safetensors")
 
 
+def read_checkpoint(model_dir: Path):
+    """The checkpoint as the loader reads it, in float32 on the host."""
+    return open_checkpoint(ModelConfig.from_dir(model_dir), torch.float32, torch.device("cpu"))
+
+
 @pytest.fixture
 def run(drive):
     """An engine's greedy tokens for PROMPTS and each token's logprob."""
@@ -81,7 +87,7 @@ def engine(model_dir, **knobs) -> LLMEngine:
 def test_every_linear_reads_as_the_librarys_own_dequantization_and_its_blocks_hold_the_same_weights(
         compressed, scheme):
     """Symmetric schemes exactly; those with zero points within float16's rounding of their mins s * (z + 8)."""
-    checkpoint = open_checkpoint(compressed[scheme], torch.float32, torch.device("cpu"))
+    checkpoint = read_checkpoint(compressed[scheme])
     assert isinstance(checkpoint, IntegerCheckpoint)
     reference = library_weights(compressed[scheme])
     assert len(reference) == 14  # 7 linears in each of the 2 layers; the LM head is left out (`ignore`)
@@ -135,7 +141,7 @@ def test_scales_float16_cannot_hold_run_dequantized_and_one_log_line_says_why(co
     assert len(said) == 1 and "14 linear(s)" in said[0] and "float32 scales" in said[0], said
     assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)
     weights = library_weights(model_dir)
-    layer = open_checkpoint(model_dir, torch.float32, torch.device("cpu"))
+    layer = read_checkpoint(model_dir)
     # s * (q - z) with float32 s, rounded once to float32: the library's float64 product rounded the same
     assert all(torch.equal(layer.get(name, torch.float32), weight.float()) for name, weight in weights.items())
 
@@ -189,7 +195,7 @@ def test_a_module_takes_the_scheme_of_the_group_naming_it_most_closely_and_one_n
     four_bit = {**eight_bit, "weights": {**eight_bit["weights"], "num_bits": 4, "strategy": "group", "group_size": 32}}
     model_dir = rewritten(compressed["W8A16"], tmp_path / "ranked", config_groups={
         "first": {**four_bit, "targets": ["Linear"]}, "second": {**eight_bit, "targets": ["re:.*_proj$"]}})
-    checkpoint = open_checkpoint(model_dir, torch.float32, torch.device("cpu"))
+    checkpoint = read_checkpoint(model_dir)
     for name, weight in library_weights(compressed["W8A16"]).items():
         assert torch.equal(checkpoint.get(name, torch.float64), weight), name
     narrow = rewritten(compressed["W8A16"], tmp_path / "narrow",

@@ -44,8 +44,11 @@ class Checkpoint:
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The tensor as the checkpoint's dtype, or as `dtype` where a caller keeps it wider."""
-        tensor = self._read(name, lambda f: f.get_tensor(name))
-        return tensor.to(device=self.device, dtype=dtype or self.dtype)
+        return self.raw(name).to(device=self.device, dtype=dtype or self.dtype)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as the file stores it (its dtype, on the host)."""
+        return self._read(name, lambda f: f.get_tensor(name))
 
     def get_slice(self, name: str, dim: int, start: int, end: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Only [start, end) of dimension `dim` (0 or 1), read from the file without the rest (a tensor-parallel

@@ -68,7 +68,7 @@ class FusedDecoder:
                  quantized: BlockSource | None = None, fp8: bool = False) -> None:
         """`config` and `checkpoint` as this rank sees them: a tensor-parallel rank's heads, MLP width and
         vocabulary range, with `group` reducing its partial sums (see tp_shards.py). `quantized`: the GGUF blocks
-        the linears run as stored (`quantization: gguf`, a compressed-tensors checkpoint; one rank); `fp8`: the
+        the linears run as stored (`quantization: gguf`, an integer checkpoint; one rank); `fp8`: the
         layers' linears in float8 (`quantization: fp8`; the LM head stays in the model's dtype, as vLLM keeps it)."""
         self.group = group
         self.head_dim = config.head_dim

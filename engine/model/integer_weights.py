@@ -79,10 +79,6 @@ class IntegerCheckpoint(Checkpoint):
     def integers(self, prefix: str) -> Integers:
         raise NotImplementedError
 
-    def raw(self, name: str) -> torch.Tensor:
-        """A tensor as the file stores it."""
-        return self._read(name, lambda f: f.get_tensor(name))
-
     def _prefix(self, name: str) -> str | None:
         prefix = name.removesuffix(".weight")
         return prefix if prefix != name and prefix in self.schemes else None

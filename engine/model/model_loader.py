@@ -65,18 +65,18 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
 INTEGER_CHECKPOINTS = {"compressed-tensors": open_compressed, "awq": open_awq}  # quant_method -> its reader
 
 
-def open_checkpoint(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Checkpoint | None:
-    """The directory's safetensors checkpoint, read through its integer weights where config.json's
+def open_checkpoint(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Checkpoint | None:
+    """The model's safetensors checkpoint, read through its integer weights where config.json's
     `quantization_config` names a format kvloom reads as stored (compressed-tensors, AWQ)."""
-    checkpoint = Checkpoint.open(model_dir, dtype, device)
-    config = ModelConfig.from_dir(model_dir).raw.get("quantization_config") or {}
-    method = config.get("quant_method")
+    checkpoint = Checkpoint.open(config.model_dir, dtype, device)
+    quantization = config.raw.get("quantization_config") or {}
+    method = quantization.get("quant_method")
     if checkpoint is None or method is None:
         return checkpoint
     if method not in INTEGER_CHECKPOINTS:
-        raise ModelLoadError(f"{model_dir}: quantization_config's quant_method {method!r} is not one kvloom reads "
-                             f"({', '.join(INTEGER_CHECKPOINTS)})")
-    return INTEGER_CHECKPOINTS[method](checkpoint, config)
+        raise ModelLoadError(f"{config.model_dir}: quantization_config's quant_method {method!r} is not one kvloom "
+                             f"reads ({', '.join(INTEGER_CHECKPOINTS)})")
+    return INTEGER_CHECKPOINTS[method](checkpoint, quantization)
 
 
 def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str | None) -> BlockSource | None:
@@ -96,14 +96,13 @@ def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str
     if quantized is None:
         raise ConfigError("quantization", f"{model_dir} was not converted from a GGUF file: it has no quantized "
                                           "weights to run as stored")
-    quantized.log_inflated()
     return quantized
 
 
 def load_shard_decoder(model_dir: Path, config: ModelConfig, shard: RankShard, group: TensorParallelGroup,
                        dtype: torch.dtype, device: torch.device) -> FusedDecoder:
     """One tensor-parallel rank's decoder, holding only its slices of the weights (see tp_shards.py)."""
-    checkpoint = open_checkpoint(model_dir, dtype, device)
+    checkpoint = open_checkpoint(config, dtype, device)
     if isinstance(checkpoint, IntegerCheckpoint):
         logger.info("quantization %s: tensor-parallel ranks run its linears de-quantized", checkpoint.method)
     reason = FusedDecoder.unsupported(config, checkpoint)
@@ -121,12 +120,12 @@ def load_decoder(model_dir: Path, config: ModelConfig, dtype: torch.dtype, devic
     if quantization == "fp8" and (why := fp8_unsupported(device)) is not None:
         raise ConfigError("quantization", why)
     if model_impl != "transformers":
-        checkpoint = open_checkpoint(model_dir, dtype, device)
+        checkpoint = open_checkpoint(config, dtype, device)
         reason = FusedDecoder.unsupported(config, checkpoint)
         if reason is None:
             quantized = quantized_weights(model_dir, checkpoint, quantization)
             decoder = FusedDecoder(config, checkpoint, quantized=quantized, fp8=quantization == "fp8")
-            if isinstance(quantized, IntegerCheckpoint):
+            if quantized is not None:
                 quantized.log_inflated()
             return decoder
         if model_impl == "kvloom":

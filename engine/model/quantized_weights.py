@@ -21,12 +21,15 @@ logger = logging.getLogger(__name__)
 
 
 class BlockSource(Protocol):
-    """Where the decoder finds a linear's GGUF blocks: a GGUF model's (below) or a compressed-tensors checkpoint's
-    (engine/model/compressed_tensors.py)."""
+    """Where the decoder finds a linear's GGUF blocks: a GGUF model's (below) or an integer checkpoint's
+    (engine/model/integer_weights.py: compressed-tensors, AWQ)."""
 
     int8_activations: bool
 
     def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None: ...
+
+    def log_inflated(self) -> None:
+        """One line naming what runs de-quantized, if anything (once the decoder is built)."""
 
 
 @dataclass
