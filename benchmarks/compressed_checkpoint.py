@@ -1,8 +1,10 @@
 """Integer checkpoints of any local model, as the quantizers write them: compressed-tensors (written by that library
 itself, a test and benchmark dependency, not kvloom's: round-to-nearest scales from each group's min and max, as
 llm-compressor's weight-only schemes compute them without calibration data, then its own compressor and config
-writer), and AutoAWQ's GEMM format (round to nearest as AutoAWQ's `pseudo_quantize_tensor`, without its activation
-search, packed in its order)."""
+writer), AutoAWQ's GEMM format (round to nearest as AutoAWQ's `pseudo_quantize_tensor`, without its activation
+search, packed in its order), and GPTQ's (the integers of such a compressed-tensors checkpoint, laid out as AutoGPTQ
+and GPTQModel pack theirs: GPTQ's own error-compensating rounding needs calibration data and changes only which
+integers are stored)."""
 
 from pathlib import Path
 
@@ -94,6 +96,60 @@ def write_awq(model_dir: Path, target: Path, group_size: int = 128) -> Path:
     return target
 
 
+GPTQ_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}  # format gptq (v1) stores each packed word of zero points less this
+
+
+def write_gptq(source: Path, target: Path, checkpoint_format: str = "gptq") -> Path:
+    """A compressed-tensors checkpoint `write_compressed` wrote (pack-quantized, one config group) as a GPTQ one:
+    qweight int32 [K * bits / 32, N] (inputs packed down the columns, input k at bit (k % (32 / bits)) * bits),
+    qzeros [G, N * bits / 32] (outputs packed along the rows), scales [G, N], g_idx [K], with the config AutoGPTQ
+    (`gptq`: zero points less one) or GPTQModel (`gptq_v2`) writes."""
+    import json
+
+    import torch
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from safetensors.torch import load_file, save_file
+
+    config = json.loads((source / "config.json").read_text())
+    [group] = config["quantization_config"]["config_groups"].values()
+    bits, symmetric = group["weights"]["num_bits"], group["weights"]["symmetric"]
+    middle = 1 << (bits - 1)
+
+    def pack_columns(unsigned: torch.Tensor) -> torch.Tensor:  # [R, C] -> [R * bits / 32, C] 32-bit words
+        per_word = 32 // bits
+        shifts = (torch.arange(per_word, dtype=torch.int64) * bits)[None, :, None]
+        return (unsigned.to(torch.int64).unflatten(0, (-1, per_word)) << shifts).sum(1)
+
+    def as_int32(words: torch.Tensor) -> torch.Tensor:  # unsigned 32-bit values (int64) -> their bits as int32
+        words = words % (1 << 32)
+        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    tensors = load_file(source / "model.safetensors")
+    out = {name: t for name, t in tensors.items()
+           if not name.endswith((".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape"))}
+    for prefix in [n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")]:
+        shape = torch.Size(tensors[f"{prefix}.weight_shape"].tolist())  # [N, K]
+        q = unpack_from_int32(tensors[f"{prefix}.weight_packed"], bits, shape)
+        scale = tensors[f"{prefix}.weight_scale"]  # [N, G]
+        zero = torch.zeros_like(scale, dtype=torch.int32) if symmetric else unpack_from_int32(
+            tensors[f"{prefix}.weight_zero_point"], bits, scale.shape, packed_dim=0)
+        zero_words = pack_columns(zero.to(torch.int64) + middle)  # [N * bits / 32, G]: outputs packed
+        if checkpoint_format == "gptq":
+            zero_words = zero_words - GPTQ_ZERO_OFFSET[bits]
+        out |= {f"{prefix}.qweight": as_int32(pack_columns(q.T.to(torch.int64) + middle)),
+                f"{prefix}.qzeros": as_int32(zero_words.T.contiguous()), f"{prefix}.scales": scale.T.contiguous(),
+                f"{prefix}.g_idx": (torch.arange(shape[1]) // (shape[1] // scale.shape[1])).to(torch.int32)}
+    target.mkdir(parents=True, exist_ok=True)
+    save_file(out, target / "model.safetensors", metadata={"format": "pt"})
+    group_size = group["weights"].get("group_size") if group["weights"]["strategy"] == "group" else -1
+    config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group_size,
+                                     "desc_act": False, "sym": symmetric, "checkpoint_format": checkpoint_format,
+                                     "pack_dtype": "int32", "true_sequential": True}
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    copy_tokenizer(source, target)
+    return target
+
+
 def library_dequantized(model_dir: Path) -> dict:
     """Every quantized linear's weight as the compressed-tensors library de-quantizes it, in float64 (an AutoAWQ
     checkpoint through the library's converter to its own format first)."""
@@ -129,18 +185,24 @@ def library_dequantized(model_dir: Path) -> dict:
 
 
 def write_with_references(jobs: list[dict]) -> None:
-    """Each job's checkpoint (`write_awq` for scheme AWQ, else `write_compressed`: model_dir, target, scheme,
-    group_size, dtype) and, beside it, `reference.safetensors`: `library_dequantized` of it. Tests run this in a
-    process of its own: the compressed-tensors library imports triton, which a test process must import later."""
+    """Each job's checkpoint (`write_awq` for scheme AWQ; `write_compressed`: model_dir, target, scheme, group_size,
+    dtype; with `gptq` set to a checkpoint format, that one through `write_gptq`) and, beside it,
+    `<target>.reference.safetensors`: `library_dequantized` of it (for GPTQ, of the compressed-tensors checkpoint its
+    integers came from). Tests run this in a process of their own: the compressed-tensors library imports triton,
+    which a test process must import later."""
     from safetensors.torch import save_file
 
     for job in jobs:
         source, target = Path(job["model_dir"]), Path(job["target"])
         if job["scheme"] == "AWQ":
             write_awq(source, target, job["group_size"])
+            compressed = target
         else:
-            write_compressed(source, target, job["scheme"], job["group_size"], job.get("dtype", "bfloat16"))
-        save_file(library_dequantized(target), target.parent / f"{target.name}.reference.safetensors")
+            compressed = target.with_name(f"{target.name}.compressed") if job.get("gptq") else target
+            write_compressed(source, compressed, job["scheme"], job["group_size"], job.get("dtype", "bfloat16"))
+        if job.get("gptq"):
+            write_gptq(compressed, target, job["gptq"])
+        save_file(library_dequantized(compressed), target.parent / f"{target.name}.reference.safetensors")
 
 
 if __name__ == "__main__":

@@ -125,11 +125,12 @@ class EngineConfig(BaseModel):
     # AVX512-VNNI a linear's bfloat16 activations of 16 rows or more are quantized to int8 a block of 32 at a time
     # (llama.cpp's way): faster prefill and large batches, less exact; fp8: any checkpoint's layer linears quantized
     # at load to float8 with a scale an output, activations a scale a row on each call (kernels/fp8_linear.py: FP8
-    # tensor cores on Ada and Hopper GPUs); compressed-tensors, awq: a checkpoint llm-compressor (W4A16, W8A16, W8A8
-    # integers) or AutoAWQ wrote, run as stored by the same GEMM (engine/model/integer_weights.py); None: every weight
-    # in `dtype` (a GGUF model's de-quantized), except those checkpoints', run as stored as vLLM runs them (de-quantized
-    # under tensor parallelism). `dtype` stays the activations' dtype either way
-    quantization: Literal["gguf", "gguf-int8", "fp8", "compressed-tensors", "awq"] | None = None
+    # tensor cores on Ada and Hopper GPUs); compressed-tensors, awq, gptq: a checkpoint llm-compressor (W4A16, W8A16,
+    # W8A8 integers), AutoAWQ or AutoGPTQ/GPTQModel wrote, run as stored by the same GEMM
+    # (engine/model/integer_weights.py); None: every weight in `dtype` (a GGUF model's de-quantized), except those
+    # checkpoints', run as stored as vLLM runs them (de-quantized under tensor parallelism). `dtype` stays the
+    # activations' dtype either way
+    quantization: Literal["gguf", "gguf-int8", "fp8", "compressed-tensors", "awq", "gptq"] | None = None
     seed: int = 0
     # ranks a replica's model is split over (Megatron-style, see engine/tensor_parallel/tp_shards.py); on one host they share
     # its cores (or take one GPU each); kv_cache_memory_bytes is then each rank's budget, as vLLM's per-device one

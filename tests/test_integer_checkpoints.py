@@ -1,9 +1,10 @@
 """Integer checkpoints as quantizers write them, from a tiny random Llama: compressed-tensors (llm-compressor's
-format, which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself, and AutoAWQ's 4-bit
-gemm format, whose reference is that library's own AutoAWQ converter (both written, and the library's references
-computed, in a process of their own: the library imports triton, which Triton's interpreter tests here must import
-first). kvloom reads both without it
-(engine/model/compressed_tensors.py, awq.py): every linear reads as the library's own de-quantization, computed in
+format, which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself; AutoAWQ's 4-bit
+gemm format, whose reference is that library's own AutoAWQ converter; and GPTQ's (AutoGPTQ's format and GPTQModel's
+v2), holding the integers of such a library-written checkpoint, whose de-quantization is the reference (all written,
+and the library's references computed, in a process of their own: the library imports triton, which Triton's
+interpreter tests here must import first). kvloom reads them without it
+(engine/model/compressed_tensors.py, awq.py, gptq.py): every linear reads as the library's own de-quantization, computed in
 float64, and runs as GGUF blocks in kvloom's quantized GEMM (engine/model/integer_weights.py;
 tests/test_quantized_linear.py checks that GEMM against de-quantize-then-matmul for each block type), so an engine on
 the checkpoint gives the tokens of an engine on its de-quantized weights. What kvloom cannot hold as blocks runs
@@ -33,8 +34,10 @@ from kvloom.kernels.quantized_linear import QuantizedLinear
 
 # scheme, group size, the GGUF block type kvloom holds it in
 SCHEMES = {"W4A16": (32, "Q4_0"), "W4A16_ASYM": (64, "Q4_1"), "W8A16": (None, "Q8_0"), "W8A8": (None, "Q8_0"),
-           "AWQ": (32, "Q4_1")}
-ZERO_POINTS = ("W4A16_ASYM", "AWQ")  # Q4_1 blocks: their mins rounded to float16
+           "AWQ": (32, "Q4_1"), "GPTQ": (32, "Q4_0"), "GPTQ_ASYM": (64, "Q4_1"), "GPTQ_8BIT": (None, "Q8_0")}
+# GPTQ checkpoints: the compressed-tensors scheme whose integers they hold, and their format (gptq: AutoGPTQ's)
+GPTQ = {"GPTQ": ("W4A16", "gptq"), "GPTQ_ASYM": ("W4A16_ASYM", "gptq"), "GPTQ_8BIT": ("W8A16", "gptq_v2")}
+ZERO_POINTS = ("W4A16_ASYM", "AWQ", "GPTQ_ASYM")  # Q4_1 blocks: their mins rounded to float16
 PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
 POOL = 1 << 24  # KV bytes: room for these prompts
@@ -52,7 +55,10 @@ def compressed(tiny_model_dir, tmp_path_factory):
     """scheme -> a checkpoint of the tiny model (16-bit scales, as the quantizers save them)."""
     root = tmp_path_factory.mktemp("compressed")
     jobs = [{"model_dir": str(tiny_model_dir), "target": str(root / scheme), "scheme": scheme,
-             "group_size": group or 128} for scheme, (group, _) in SCHEMES.items()]
+             "group_size": group or 128} for scheme, (group, _) in SCHEMES.items() if scheme not in GPTQ]
+    jobs += [{"model_dir": str(tiny_model_dir), "target": str(root / scheme), "scheme": source, "gptq": layout,
+              "group_size": SCHEMES[scheme][0] or 128, "dtype": "float16"}  # GPTQ's scales are float16
+             for scheme, (source, layout) in GPTQ.items()]
     # and one saved in float32, whose scales float16 does not hold
     jobs.append({"model_dir": str(tiny_model_dir), "target": str(root / "float32"), "scheme": "W4A16",
                  "group_size": 32, "dtype": "float32"})
@@ -169,12 +175,8 @@ def test_what_contradicts_the_checkpoint_or_cannot_be_read_is_refused_by_name(co
         engine(fp8)
     with pytest.raises(ConfigError, match="quantization.*awq checkpoint"):
         engine(compressed["AWQ"], quantization="compressed-tensors")
-    gptq = shutil.copytree(compressed["AWQ"], tmp_path / "gptq")
-    config = json.loads((gptq / "config.json").read_text())
-    config["quantization_config"]["quant_method"] = "gptq"
-    (gptq / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match="'gptq' is not one kvloom reads"):
-        engine(gptq)
+    with pytest.raises(ModelLoadError, match="'bitsandbytes' is not one kvloom reads"):
+        engine(rewritten(compressed["AWQ"], tmp_path / "bitsandbytes", quant_method="bitsandbytes"))
 
 
 def rewritten(model_dir: Path, target: Path, **changes) -> Path:
@@ -212,3 +214,53 @@ def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused
                           "rotated": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}}.items():
         with pytest.raises(ModelLoadError, match="consecutive groups without rotations"):
             engine(rewritten(compressed["W4A16"], tmp_path / name, **changes))
+
+
+def gptq_linear(directory: Path, qweight: list[int], qzeros: list[int], g_idx: list[int] | None = None) -> Path:
+    """One 4-bit linear of 8 inputs by 8 outputs (a word each way), one group, scales 1."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    words = lambda values: torch.tensor(values, dtype=torch.int64).view(1, -1).to(torch.int32)  # noqa: E731
+    tensors = {"m.qweight": words(qweight).repeat(1, 8), "m.qzeros": words(qzeros),
+               "m.scales": torch.ones(1, 8, dtype=torch.float16)}
+    if g_idx is not None:
+        tensors["m.g_idx"] = torch.tensor(g_idx, dtype=torch.int32)
+    save_file(tensors, directory / "model.safetensors")
+    return directory
+
+
+def test_gptq_packs_inputs_down_a_column_and_its_format_gptq_stores_zero_points_less_one_borrows_included(tmp_path):
+    """A known answer, pinned to GPTQModel's de-quantization (gptqmodel/nn_modules/qlinear: weight nibble i of
+    qweight[r, n] is input 8r + i; zero nibble i of qzeros[g, c] is output 8c + i) and its v1 -> v2 conversion (each
+    zero-point word plus 0x11111111): zero points 0..7 stored less one borrow from the next nibble."""
+    from kvloom.engine.model.checkpoint import Checkpoint
+    from kvloom.engine.model.gptq import open_gptq
+
+    zeros = list(range(8))
+    v2_word = sum(z << (4 * i) for i, z in enumerate(zeros))
+    for layout, word in {"gptq": (v2_word - 0x11111111) % (1 << 32), "gptq_v2": v2_word}.items():
+        model_dir = gptq_linear(tmp_path / layout, [0x76543210 - (1 << 32)], [word - (1 << 32) * (word >= 1 << 31)])
+        checkpoint = open_gptq(Checkpoint.open(model_dir, torch.float32, torch.device("cpu")),
+                               {"bits": 4, "group_size": -1, "sym": False, "checkpoint_format": layout})
+        weight = checkpoint.get("m.weight")  # [8 outputs, 8 inputs]: input k stored k, output n's zero point n
+        assert torch.equal(weight, torch.arange(8.)[None, :] - torch.arange(8.)[:, None]), layout
+
+
+def test_gptq_groups_by_activation_order_other_layouts_and_per_module_overrides_are_refused(compressed, tmp_path):
+    from kvloom.engine.model.checkpoint import Checkpoint
+    from kvloom.engine.model.gptq import open_gptq
+
+    reordered = gptq_linear(tmp_path / "act-order", [0], [0x77777777], g_idx=[1, 0, 1, 0, 1, 0, 1, 0])
+    checkpoint = open_gptq(Checkpoint.open(reordered, torch.float32, torch.device("cpu")),
+                           {"bits": 4, "group_size": 4, "desc_act": True})
+    with pytest.raises(ModelLoadError, match="m's inputs are grouped by activation order"):
+        checkpoint.get("m.weight")
+    for name, changes in {"marlin": {"checkpoint_format": "marlin"}, "3-bit": {"bits": 3},
+                          "int16": {"pack_dtype": "int16"}}.items():
+        with pytest.raises(ModelLoadError, match="kvloom reads 4- and 8-bit gptq and gptq_v2 packed in int32"):
+            engine(rewritten(compressed["GPTQ"], tmp_path / name, **changes))
+    with pytest.raises(ModelLoadError, match="per-module overrides"):
+        engine(rewritten(compressed["GPTQ"], tmp_path / "dynamic", dynamic={"-:.*down_proj.*": {}}))
+    with pytest.raises(ModelLoadError, match="zero points are not 8"):
+        engine(rewritten(compressed["GPTQ_ASYM"], tmp_path / "not-symmetric", sym=True))

@@ -15,7 +15,7 @@ import torch
 
 from kvloom.engine.errors import ModelLoadError
 from kvloom.engine.model.checkpoint import Checkpoint
-from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme
+from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, unpack
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
@@ -47,14 +47,6 @@ def _scheme_for(name: str, targeted: list[tuple[list[str], WeightScheme]]) -> We
     if not ranked:
         raise ModelLoadError(f"compressed-tensors: {name} is stored quantized but no config group targets it")
     return min(ranked, key=lambda pair: pair[0])[1]
-
-
-def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
-    """int32 words [R, ceil(C * bits / 32)] -> the integers [R, C] (int16, signed: q), as pack-quantized stores
-    them; 4 and 8 bits divide a word, so element i is word i * bits // 32, bit i * bits % 32."""
-    shifts = torch.arange(32 // num_bits, dtype=torch.int32) * num_bits
-    values = (words.to(torch.int32)[..., None] >> shifts) & ((1 << num_bits) - 1)
-    return values.flatten(-2)[..., :columns].to(torch.int16) - (1 << (num_bits - 1))
 
 
 def open_compressed(checkpoint: Checkpoint, config: dict) -> "CompressedCheckpoint":

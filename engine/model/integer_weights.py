@@ -1,5 +1,5 @@
 """A checkpoint whose linears store integer weights with scales (and zero points): w = s * (q - z), a scale and zero
-point per output channel or per group of inputs. Its readers (compressed_tensors.py, awq.py) only say where each
+point per output channel or per group of inputs. Its readers (compressed_tensors.py, awq.py, gptq.py) only say where each
 linear's q, s and z are; this turns them into what the decoder runs.
 
 kvloom's GEMM reads blocks of 32 inputs with a float16 scale d and min m, so a group of g inputs becomes g/32
@@ -61,6 +61,15 @@ class Integers:
         for float32 ones; the caller rounds once more to its dtype."""
         steps = self.q if self.zero is None else self.q - self.zero.repeat_interleave(self.group, 1)
         return steps.float() * self.scale.float().repeat_interleave(self.group, 1)
+
+
+def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
+    """int32 words [R, ceil(C * bits / 32)] -> the integers [R, C] (int16, signed: q = stored - 2^(bits-1)), as
+    compressed-tensors and GPTQ pack them; 4 and 8 bits divide a word, so element i is word i * bits // 32, bit
+    i * bits % 32."""
+    shifts = torch.arange(32 // num_bits, dtype=torch.int32) * num_bits
+    values = (words.to(torch.int32)[..., None] >> shifts) & ((1 << num_bits) - 1)
+    return values.flatten(-2)[..., :columns].to(torch.int16) - (1 << (num_bits - 1))
 
 
 class IntegerCheckpoint(Checkpoint):

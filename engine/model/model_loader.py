@@ -15,6 +15,7 @@ from kvloom.engine.model.checkpoint import Checkpoint
 from kvloom.engine.model.awq import open_awq
 from kvloom.engine.model.compressed_tensors import open_compressed
 from kvloom.engine.model.integer_weights import IntegerCheckpoint
+from kvloom.engine.model.gptq import open_gptq
 from kvloom.engine.model.decoder import FusedDecoder
 from kvloom.engine.model.fast_tokenizer import load_fast_tokenizer
 from kvloom.engine.errors import ConfigError, ModelLoadError
@@ -62,12 +63,13 @@ def load_model(model: str, dtype: torch.dtype, device: torch.device, model_impl:
     return LoadedModel(config, tokenizer, load_decoder(model_dir, config, dtype, device, model_impl))
 
 
-INTEGER_CHECKPOINTS = {"compressed-tensors": open_compressed, "awq": open_awq}  # quant_method -> its reader
+# quant_method -> its reader
+INTEGER_CHECKPOINTS = {"compressed-tensors": open_compressed, "awq": open_awq, "gptq": open_gptq}
 
 
 def open_checkpoint(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> Checkpoint | None:
     """The model's safetensors checkpoint, read through its integer weights where config.json's
-    `quantization_config` names a format kvloom reads as stored (compressed-tensors, AWQ)."""
+    `quantization_config` names a format kvloom reads as stored (compressed-tensors, AWQ, GPTQ)."""
     checkpoint = Checkpoint.open(config.model_dir, dtype, device)
     quantization = config.raw.get("quantization_config") or {}
     method = quantization.get("quant_method")
@@ -81,7 +83,7 @@ def open_checkpoint(config: ModelConfig, dtype: torch.dtype, device: torch.devic
 
 def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str | None) -> BlockSource | None:
     """The GGUF blocks the decoder runs as stored: a GGUF model's for `quantization: gguf` (or gguf-int8); an
-    integer checkpoint's (compressed-tensors, AWQ) unless `quantization` asks for fp8."""
+    integer checkpoint's (compressed-tensors, AWQ, GPTQ) unless `quantization` asks for fp8."""
     if isinstance(checkpoint, IntegerCheckpoint):
         if quantization not in (None, checkpoint.method, "fp8"):
             raise ConfigError("quantization", f"{model_dir} is a {checkpoint.method} checkpoint: leave quantization "

@@ -1,0 +1,71 @@
+"""A GPTQ checkpoint (`quant_method: gptq`, as AutoGPTQ and GPTQModel write it: most int4 models on the Hub), read as
+stored; integer_weights.py runs it.
+
+A quantized linear stores `qweight` int32 [K * bits / 32, N] (inputs packed down the columns: input k at bit
+(k % (32 / bits)) * bits of row k // (32 / bits)), `qzeros` int32 [G, N * bits / 32] (outputs packed along the rows
+the same way), `scales` [G, N] and `g_idx` [K] (input k's group): w[n, k] = s[g, n] * (u - z[g, n]), g = g_idx[k], u
+and z unsigned. Format `gptq` (AutoGPTQ's, the default) stores each zero point less one, subtracted from the packed
+word as a whole (0x11111111 for 4 bits, borrows included), so the word gets it back before it is unpacked;
+`gptq_v2` (GPTQModel's) stores them as they are. kvloom reads 4- and 8-bit int32 packing in consecutive groups
+(g_idx[k] = k // group size); what would read as other weights is refused by name: groups reordered by activations
+(`desc_act` with a permuted g_idx), per-module overrides (`dynamic`), other layouts (marlin, bitblas, planar).
+"""
+
+import torch
+
+from kvloom.engine.errors import ModelLoadError
+from kvloom.engine.model.checkpoint import Checkpoint
+from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, unpack
+
+FORMATS = ("gptq", "gptq_v2")
+V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}  # what format gptq took off each packed word of zero points
+
+
+def open_gptq(checkpoint: Checkpoint, config: dict) -> "GptqCheckpoint":
+    """`checkpoint` read through its `quantization_config` (GPTQ)."""
+    bits = config.get("bits", 4)
+    layout = str(config.get("checkpoint_format") or config.get("format") or "gptq").lower()
+    words = str(config.get("pack_dtype", "int32")).removeprefix("torch.")
+    if bits not in (4, 8) or layout not in FORMATS or words != "int32" or config.get("is_marlin_format"):
+        raise ModelLoadError(f"GPTQ {bits}-bit format {layout!r} packed in {words}: kvloom reads 4- and 8-bit "
+                             f"{' and '.join(FORMATS)} packed in int32")
+    if config.get("dynamic"):
+        raise ModelLoadError("GPTQ with per-module overrides (dynamic): kvloom reads one scheme for every linear")
+    scheme = WeightScheme(bits, symmetric=bool(config.get("sym", True)))
+    return GptqCheckpoint(checkpoint, {name.removesuffix(".qweight"): scheme for name in checkpoint.files
+                                       if name.endswith(".qweight")}, zeros_less_one=layout == "gptq")
+
+
+class GptqCheckpoint(IntegerCheckpoint):
+    method = "gptq"
+
+    def __init__(self, checkpoint: Checkpoint, schemes: dict[str, WeightScheme], zeros_less_one: bool) -> None:
+        super().__init__(checkpoint, schemes)
+        self.zeros_less_one = zeros_less_one
+
+    def integers(self, prefix: str) -> Integers:
+        bits = self.schemes[prefix].num_bits
+        words = self.raw(f"{prefix}.qweight")
+        q = unpack(words.T.contiguous(), bits, words.shape[0] * 32 // bits)  # [N, K]
+        scale = self.raw(f"{prefix}.scales").T.contiguous()  # [N, G]
+        self._check_groups(prefix, q.shape[1], scale.shape[1])
+        zero_words = self.raw(f"{prefix}.qzeros").to(torch.int64)
+        if self.zeros_less_one:
+            zero_words = (zero_words + V1_ZERO_OFFSET[bits]) % (1 << 32)  # the word's bits, as unsigned
+            zero_words = torch.where(zero_words >= 1 << 31, zero_words - (1 << 32), zero_words)  # as int32
+        zero = unpack(zero_words, bits, q.shape[0]).T.contiguous()  # [N, G], signed as q
+        if not self.schemes[prefix].symmetric:
+            return Integers(q, scale, zero)
+        if zero.any():
+            raise ModelLoadError(f"GPTQ: {prefix}'s zero points are not {1 << (bits - 1)}, which its config's sym "
+                                 "says they are")
+        return Integers(q, scale, None)
+
+    def _check_groups(self, prefix: str, inputs: int, groups: int) -> None:
+        """g_idx, where stored, must say what consecutive groups would."""
+        if f"{prefix}.g_idx" not in self:
+            return
+        consecutive = torch.arange(inputs) // max(inputs // groups, 1)
+        if not torch.equal(self.raw(f"{prefix}.g_idx").long(), consecutive):
+            raise ModelLoadError(f"GPTQ: {prefix}'s inputs are grouped by activation order (desc_act): kvloom reads "
+                                 "groups of consecutive inputs")
