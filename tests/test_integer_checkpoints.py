@@ -216,46 +216,77 @@ def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused
             engine(rewritten(compressed["W4A16"], tmp_path / name, **changes))
 
 
-def gptq_linear(directory: Path, qweight: list[int], qzeros: list[int], g_idx: list[int] | None = None) -> Path:
-    """One 4-bit linear of 8 inputs by 8 outputs (a word each way), one group, scales 1."""
+def gptq_linear(directory: Path, qweight: list[int], qzeros: list[int], scales: list[float] | None = None,
+                g_idx: list[int] | None = None) -> Path:
+    """One 4-bit linear of 8 inputs (a word of qweight, the same for each of its 8 outputs) by 8 outputs (a word of
+    qzeros a group), a scale a group (1 where not given) for every output."""
     from safetensors.torch import save_file
 
+    def words(values: list[int]) -> torch.Tensor:  # unsigned 32-bit values -> their bits as int32 [len, 1]
+        return torch.tensor([v - (1 << 32) * (v >= 1 << 31) for v in values], dtype=torch.int32)[:, None]
+
     directory.mkdir()
-    words = lambda values: torch.tensor(values, dtype=torch.int64).view(1, -1).to(torch.int32)  # noqa: E731
+    scales = scales or [1.0] * len(qzeros)
     tensors = {"m.qweight": words(qweight).repeat(1, 8), "m.qzeros": words(qzeros),
-               "m.scales": torch.ones(1, 8, dtype=torch.float16)}
+               "m.scales": torch.tensor(scales, dtype=torch.float16)[:, None].repeat(1, 8)}
     if g_idx is not None:
         tensors["m.g_idx"] = torch.tensor(g_idx, dtype=torch.int32)
     save_file(tensors, directory / "model.safetensors")
     return directory
 
 
+def read_gptq(model_dir: Path, **config) -> IntegerCheckpoint:
+    from kvloom.engine.model.checkpoint import Checkpoint
+    from kvloom.engine.model.gptq import open_gptq
+
+    return open_gptq(Checkpoint.open(model_dir, torch.float32, torch.device("cpu")), config)
+
+
 def test_gptq_packs_inputs_down_a_column_and_its_format_gptq_stores_zero_points_less_one_borrows_included(tmp_path):
     """A known answer, pinned to GPTQModel's de-quantization (gptqmodel/nn_modules/qlinear: weight nibble i of
     qweight[r, n] is input 8r + i; zero nibble i of qzeros[g, c] is output 8c + i) and its v1 -> v2 conversion (each
     zero-point word plus 0x11111111): zero points 0..7 stored less one borrow from the next nibble."""
-    from kvloom.engine.model.checkpoint import Checkpoint
-    from kvloom.engine.model.gptq import open_gptq
-
-    zeros = list(range(8))
-    v2_word = sum(z << (4 * i) for i, z in enumerate(zeros))
+    v2_word = sum(z << (4 * i) for i, z in enumerate(range(8)))
     for layout, word in {"gptq": (v2_word - 0x11111111) % (1 << 32), "gptq_v2": v2_word}.items():
-        model_dir = gptq_linear(tmp_path / layout, [0x76543210 - (1 << 32)], [word - (1 << 32) * (word >= 1 << 31)])
-        checkpoint = open_gptq(Checkpoint.open(model_dir, torch.float32, torch.device("cpu")),
-                               {"bits": 4, "group_size": -1, "sym": False, "checkpoint_format": layout})
-        weight = checkpoint.get("m.weight")  # [8 outputs, 8 inputs]: input k stored k, output n's zero point n
-        assert torch.equal(weight, torch.arange(8.)[None, :] - torch.arange(8.)[:, None]), layout
+        checkpoint = read_gptq(gptq_linear(tmp_path / layout, [0x76543210], [word]), bits=4, group_size=-1,
+                               sym=False, checkpoint_format=layout)
+        # [8 outputs, 8 inputs]: input k stored as k, output n's zero point n
+        assert torch.equal(checkpoint.get("m.weight"), torch.arange(8.)[None, :] - torch.arange(8.)[:, None]), layout
 
 
-def test_gptq_groups_by_activation_order_other_layouts_and_per_module_overrides_are_refused(compressed, tmp_path):
-    from kvloom.engine.model.checkpoint import Checkpoint
-    from kvloom.engine.model.gptq import open_gptq
+def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequantized_said_once(
+        compressed, tmp_path, caplog):
+    """GPTQModel's w = scales[g_idx] * (weight - zeros[g_idx]) (desc_act): input k in group g_idx[k], here the
+    odd inputs in group 0 (scale 1, zero points 8) and the even ones in group 1 (scale 2, zero points 0)."""
+    from safetensors.torch import save_file
 
-    reordered = gptq_linear(tmp_path / "act-order", [0], [0x77777777], g_idx=[1, 0, 1, 0, 1, 0, 1, 0])
-    checkpoint = open_gptq(Checkpoint.open(reordered, torch.float32, torch.device("cpu")),
-                           {"bits": 4, "group_size": 4, "desc_act": True})
-    with pytest.raises(ModelLoadError, match="m's inputs are grouped by activation order"):
-        checkpoint.get("m.weight")
+    checkpoint = read_gptq(gptq_linear(tmp_path / "known", [0x76543210], [0x88888888, 0], [1.0, 2.0],
+                                       g_idx=[1, 0, 1, 0, 1, 0, 1, 0]), bits=4, group_size=4, desc_act=True,
+                           sym=False, checkpoint_format="gptq_v2")
+    inputs = torch.arange(8.)
+    assert torch.equal(checkpoint.get("m.weight"), torch.where(inputs % 2 == 1, inputs - 8, 2 * inputs).expand(8, 8))
+    assert checkpoint.blocks(["m.weight"]) is None
+
+    # the GPTQ checkpoint's groups dealt in reverse (group G-1-i holds inputs i*g..): each weight then takes its
+    # group's mirror's scale (symmetric: w = s * q, so q is the library's weight over its own scale)
+    model_dir = shutil.copytree(compressed["GPTQ"], tmp_path / "act-order")
+    tensors = load_file(model_dir / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(".g_idx")]:
+        tensors[name] = (tensors[name].max() - tensors[name]).contiguous()
+    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
+    checkpoint = read_checkpoint(model_dir)
+    for name, weight in library_weights(compressed["GPTQ"]).items():
+        scales = tensors[name.replace(".weight", ".scales")].double().T  # [N, G]
+        consecutive = scales.repeat_interleave(SCHEMES["GPTQ"][0], 1)
+        assert torch.equal(checkpoint.get(name, torch.float64), weight / consecutive * consecutive.flip(1)), name
+    with caplog.at_level(logging.INFO, logger="kvloom.engine.model.integer_weights"):
+        dense = engine(model_dir)
+    said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
+    assert len(said) == 1 and "14 linear(s)" in said[0] and "activation order" in said[0], said
+    assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)
+
+
+def test_gptq_layouts_kvloom_does_not_read_and_per_module_overrides_are_refused(compressed, tmp_path):
     for name, changes in {"marlin": {"checkpoint_format": "marlin"}, "3-bit": {"bits": 3},
                           "int16": {"pack_dtype": "int16"}}.items():
         with pytest.raises(ModelLoadError, match="kvloom reads 4- and 8-bit gptq and gptq_v2 packed in int32"):

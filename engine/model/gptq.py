@@ -7,8 +7,9 @@ the same way), `scales` [G, N] and `g_idx` [K] (input k's group): w[n, k] = s[g,
 and z unsigned. Format `gptq` (AutoGPTQ's, the default) stores each zero point less one, subtracted from the packed
 word as a whole (0x11111111 for 4 bits, borrows included), so the word gets it back before it is unpacked;
 `gptq_v2` (GPTQModel's) stores them as they are. kvloom reads 4- and 8-bit int32 packing in consecutive groups
-(g_idx[k] = k // group size); what would read as other weights is refused by name: groups reordered by activations
-(`desc_act` with a permuted g_idx), per-module overrides (`dynamic`), other layouts (marlin, bitblas, planar).
+(g_idx[k] = k // group size) as GGUF blocks; a linear whose inputs are grouped by activation order (`desc_act`:
+g_idx permuted) runs de-quantized, said once. What would read as other weights is refused by name: per-module
+overrides (`dynamic`), other layouts (marlin, bitblas, planar).
 """
 
 import torch
@@ -48,24 +49,25 @@ class GptqCheckpoint(IntegerCheckpoint):
         words = self.raw(f"{prefix}.qweight")
         q = unpack(words.T.contiguous(), bits, words.shape[0] * 32 // bits)  # [N, K]
         scale = self.raw(f"{prefix}.scales").T.contiguous()  # [N, G]
-        self._check_groups(prefix, q.shape[1], scale.shape[1])
+        group_of = self._group_of(prefix, q.shape[1], scale.shape[1])
         zero_words = self.raw(f"{prefix}.qzeros").to(torch.int64)
         if self.zeros_less_one:
             zero_words = (zero_words + V1_ZERO_OFFSET[bits]) % (1 << 32)  # the word's bits, as unsigned
             zero_words = torch.where(zero_words >= 1 << 31, zero_words - (1 << 32), zero_words)  # as int32
         zero = unpack(zero_words, bits, q.shape[0]).T.contiguous()  # [N, G], signed as q
         if not self.schemes[prefix].symmetric:
-            return Integers(q, scale, zero)
+            return Integers(q, scale, zero, group_of)
         if zero.any():
             raise ModelLoadError(f"GPTQ: {prefix}'s zero points are not {1 << (bits - 1)}, which its config's sym "
                                  "says they are")
-        return Integers(q, scale, None)
+        return Integers(q, scale, None, group_of)
 
-    def _check_groups(self, prefix: str, inputs: int, groups: int) -> None:
-        """g_idx, where stored, must say what consecutive groups would."""
+    def _group_of(self, prefix: str, inputs: int, groups: int) -> torch.Tensor | None:
+        """Each input's group where g_idx says other than consecutive groups (activation order), else None."""
         if f"{prefix}.g_idx" not in self:
-            return
-        consecutive = torch.arange(inputs) // max(inputs // groups, 1)
-        if not torch.equal(self.raw(f"{prefix}.g_idx").long(), consecutive):
-            raise ModelLoadError(f"GPTQ: {prefix}'s inputs are grouped by activation order (desc_act): kvloom reads "
-                                 "groups of consecutive inputs")
+            return None
+        group_of = self.raw(f"{prefix}.g_idx").long()
+        if group_of.shape != (inputs,) or group_of.min() < 0 or group_of.max() >= groups:
+            raise ModelLoadError(f"GPTQ: {prefix}.g_idx does not give each of its {inputs} inputs one of its {groups} "
+                                 "groups")
+        return None if torch.equal(group_of, torch.arange(inputs) // max(inputs // groups, 1)) else group_of

@@ -6,8 +6,8 @@ kvloom's GEMM reads blocks of 32 inputs with a float16 scale d and min m, so a g
 blocks with the group's scale: 4-bit symmetric as Q4_0 (the nibble q + 8, d = s: exact), 4-bit with zero points
 as Q4_1 (d = s, m = -s * (z + 8) rounded to float16: within half a float16 step of it, where the checkpoint's own
 de-quantization rounds w to its scales' dtype), 8-bit symmetric as Q8_0 (exact). A linear whose scales float16
-cannot hold (float32 scales, or below float16's normal range), whose groups are not whole blocks, or 8-bit with
-zero points, is de-quantized, said once at start; so is every linear where the decoder reads weights densely
+cannot hold (float32 scales, or below float16's normal range), whose groups are not whole blocks of consecutive
+inputs, or 8-bit with zero points, is de-quantized, said once at start; so is every linear where the decoder reads weights densely
 (tensor-parallel ranks), through `get`.
 """
 
@@ -40,15 +40,17 @@ class WeightScheme:
 
 @dataclass(frozen=True)
 class Integers:
-    """One linear as stored: q [N, K] (int16, signed: q = stored - 2^(bits-1)), scales [N, K / g] and zero points
-    [N, K / g] on the same signed scale (None: symmetric). The groups are g consecutive inputs."""
+    """One linear as stored: q [N, K] (int16, signed: q = stored - 2^(bits-1)), scales [N, G] and zero points [N, G]
+    on the same signed scale (None: symmetric). The groups are K / G consecutive inputs, or where `group_of` [K] is
+    given, input k is in group group_of[k] (GPTQ's activation order)."""
 
     q: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
+    group_of: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if self.q.shape[1] % self.scale.shape[1]:
+        if self.group_of is None and self.q.shape[1] % self.scale.shape[1]:
             raise ModelLoadError(f"{self.q.shape[1]} inputs in {self.scale.shape[1]} groups: kvloom reads groups of "
                                  "equal size")
 
@@ -56,11 +58,17 @@ class Integers:
     def group(self) -> int:
         return self.q.shape[1] // self.scale.shape[1]
 
+    def per_input(self, values: torch.Tensor) -> torch.Tensor:
+        """[N, G] -> [N, K]: each input's group's value."""
+        if self.group_of is not None:
+            return values[:, self.group_of]
+        return values.repeat_interleave(self.group, 1)
+
     def dequantized(self) -> torch.Tensor:
         """s * (q - z) in float32: exact for 16-bit scales (11 significant bits times |q - z| < 2^9), rounded once
         for float32 ones; the caller rounds once more to its dtype."""
-        steps = self.q if self.zero is None else self.q - self.zero.repeat_interleave(self.group, 1)
-        return steps.float() * self.scale.float().repeat_interleave(self.group, 1)
+        steps = self.q if self.zero is None else self.q - self.per_input(self.zero)
+        return steps.float() * self.per_input(self.scale.float())
 
 
 def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
@@ -129,6 +137,8 @@ class IntegerCheckpoint(Checkpoint):
         if qtype is None:
             return self._dense(prefix, "8-bit with zero points")
         stored = self.integers(prefix)
+        if stored.group_of is not None:
+            return self._dense(prefix, "inputs grouped by activation order")
         if stored.group % BLOCK:
             return self._dense(prefix, f"groups of {stored.group} inputs (not whole blocks of {BLOCK})")
         d = stored.scale.to(torch.float16)
