@@ -109,7 +109,7 @@ def test_every_linear_reads_as_the_librarys_own_dequantization_and_its_blocks_ho
             assert (held - weight).abs().max() <= (in_bfloat16 - weight).abs().max(), name
         else:
             assert torch.equal(held, weight), name
-    assert checkpoint.int8_activations == (scheme == "W8A8")
+        assert checkpoint.int8_activations([name]) == (scheme == "W8A8")
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -204,6 +204,18 @@ def test_a_module_takes_the_scheme_of_the_group_naming_it_most_closely_and_one_n
                        config_groups={"only": {**eight_bit, "targets": ["re:.*q_proj$"]}})
     with pytest.raises(ModelLoadError, match="down_proj is stored quantized but no config group targets it"):
         engine(narrow)
+
+
+def test_int8_activations_are_those_of_the_linears_whose_group_quantizes_its_inputs(compressed, tmp_path):
+    """W8A8 for the MLP, W8A16 for attention: only the MLP's linears take their activations in int8."""
+    [w8a8] = json.loads((compressed["W8A8"] / "config.json").read_text())["quantization_config"][
+        "config_groups"].values()
+    w8a16 = {key: value for key, value in w8a8.items() if key != "input_activations"}
+    model_dir = rewritten(compressed["W8A8"], tmp_path / "mixed", config_groups={
+        "attention": {**w8a16, "targets": ["re:.*self_attn.*"]}, "mlp": {**w8a8, "targets": ["re:.*mlp.*"]}})
+    layer = engine(model_dir).decoder.layers[1]
+    assert [linear.int8 for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)] == [
+        False, False, True, True]
 
 
 def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused(compressed, tmp_path):

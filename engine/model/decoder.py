@@ -103,8 +103,8 @@ class FusedDecoder:
         if not config.tie_word_embeddings:
             self.lm_head = _pack(checkpoint, ["lm_head"], quantized)
         elif tied_blocks is not None:  # the table's own blocks: read as stored, the lookup reads the dense table
-            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device,
-                                                int8=quantized.int8_activations)
+            int8 = quantized.int8_activations(["model.embed_tokens.weight"])
+            self.lm_head = QuantizedLinear.pack(*tied_blocks, self.dtype, device=checkpoint.device, int8=int8)
         elif self.head_shares_embedding:
             self.lm_head = PackedLinear.share(self.embed)
         else:
@@ -238,10 +238,11 @@ def _pack(checkpoint: Checkpoint, prefixes: list[str], quantized: BlockSource | 
     a type kvloom runs (and each has a bias, or none has), in float8 where `fp8` and the shape allows, else packed
     from the checkpoint's weights (their sources released after)."""
     biases = [checkpoint.get(f"{p}.bias") if f"{p}.bias" in checkpoint else None for p in prefixes]
-    blocks = quantized.blocks([f"{p}.weight" for p in prefixes]) if quantized is not None else None
+    names = [f"{p}.weight" for p in prefixes]
+    blocks = quantized.blocks(names) if quantized is not None else None
     if blocks is not None and len({b is None for b in biases}) == 1:
         return QuantizedLinear.pack(*blocks, checkpoint.dtype, None if biases[0] is None else torch.cat(biases),
-                                    device=checkpoint.device, int8=quantized.int8_activations)
+                                    device=checkpoint.device, int8=quantized.int8_activations(names))
     weights = [checkpoint.get(f"{p}.weight") for p in prefixes]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else w.new_zeros(w.shape[0]) for b, w in zip(biases, weights)])

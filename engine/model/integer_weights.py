@@ -1,14 +1,14 @@
 """A checkpoint whose linears store integer weights with scales (and zero points): w = s * (q - z), a scale and zero
-point per output channel or per group of inputs. Its readers (compressed_tensors.py, awq.py, gptq.py) only say where each
-linear's q, s and z are; this turns them into what the decoder runs.
+point per output channel or per group of inputs. Its readers (compressed_tensors.py, awq.py, gptq.py) only say where
+each linear's q, s and z are; this turns them into what the decoder runs.
 
-kvloom's GEMM reads blocks of 32 inputs with a float16 scale d and min m, so a group of g inputs becomes g/32
-blocks with the group's scale: 4-bit symmetric as Q4_0 (the nibble q + 8, d = s: exact), 4-bit with zero points
-as Q4_1 (d = s, m = -s * (z + 8) rounded to float16: within half a float16 step of it, where the checkpoint's own
+kvloom's GEMM reads blocks of 32 inputs with a float16 scale d and min m, so a group of g inputs becomes g/32 blocks
+with the group's scale: 4-bit symmetric as Q4_0 (the nibble q + 8, d = s: exact), 4-bit with zero points as Q4_1 (d
+= s, m = -s * (z + 8) rounded to float16: within half a float16 step of it, where the checkpoint's own
 de-quantization rounds w to its scales' dtype), 8-bit symmetric as Q8_0 (exact). A linear whose scales float16
 cannot hold (float32 scales, or below float16's normal range), whose groups are not whole blocks of consecutive
-inputs, or 8-bit with zero points, is de-quantized, said once at start; so is every linear where the decoder reads weights densely
-(tensor-parallel ranks), through `get`.
+inputs, or 8-bit with zero points, is de-quantized, said once at start; so is every linear where the decoder reads
+weights densely (tensor-parallel ranks), through `get`.
 """
 
 import logging
@@ -90,7 +90,6 @@ class IntegerCheckpoint(Checkpoint):
     def __init__(self, checkpoint: Checkpoint, schemes: dict[str, WeightScheme]) -> None:
         super().__init__(checkpoint.model_dir, checkpoint.files, checkpoint.dtype, checkpoint.device)
         self.schemes = schemes  # by linear name: the quantized linears
-        self.int8_activations = any(s.int8_activations for s in schemes.values())
         self.dense_reasons: dict[str, str] = {}
 
     def integers(self, prefix: str) -> Integers:
@@ -114,6 +113,10 @@ class IntegerCheckpoint(Checkpoint):
             return super().get_slice(name, dim, start, end, dtype)
         weight = self.get(name, dtype)
         return (weight[start:end] if dim == 0 else weight[:, start:end]).contiguous()
+
+    def int8_activations(self, names: list[str]) -> bool:
+        """A linear computing several side by side takes int8 activations where any of them does."""
+        return any(self.schemes[prefix].int8_activations for name in names if (prefix := self._prefix(name)))
 
     def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None:
         """The weights `names` (side by side, as one linear computes them) as rows of GGUF blocks, if each is held

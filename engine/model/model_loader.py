@@ -94,7 +94,7 @@ def quantized_weights(model_dir: Path, checkpoint: Checkpoint, quantization: str
     if quantization in INTEGER_CHECKPOINTS:
         raise ConfigError("quantization", f"{model_dir} is not a {quantization} checkpoint (its config.json's "
                                           "quantization_config does not say so)")
-    quantized = QuantizedWeights.open(model_dir, int8_activations=quantization == "gguf-int8")
+    quantized = QuantizedWeights.open(model_dir, int8=quantization == "gguf-int8")
     if quantized is None:
         raise ConfigError("quantization", f"{model_dir} was not converted from a GGUF file: it has no quantized "
                                           "weights to run as stored")

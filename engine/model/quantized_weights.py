@@ -22,11 +22,13 @@ logger = logging.getLogger(__name__)
 
 class BlockSource(Protocol):
     """Where the decoder finds a linear's GGUF blocks: a GGUF model's (below) or an integer checkpoint's
-    (engine/model/integer_weights.py: compressed-tensors, AWQ)."""
-
-    int8_activations: bool
+    (engine/model/integer_weights.py: compressed-tensors, AWQ, GPTQ)."""
 
     def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None: ...
+
+    def int8_activations(self, names: list[str]) -> bool:
+        """Whether the linear computing the weights `names` side by side takes int8 activations
+        (kernels/quantized_linear.py)."""
 
     def log_inflated(self) -> None:
         """One line naming what runs de-quantized, if anything (once the decoder is built)."""
@@ -36,16 +38,19 @@ class BlockSource(Protocol):
 class QuantizedWeights:
     path: Path
     types: dict[str, str]  # every 2-D weight's GGUF type, by transformers name
-    int8_activations: bool = False  # `quantization: gguf-int8` (kernels/quantized_linear.py)
+    int8: bool = False  # `quantization: gguf-int8`: every linear's (kernels/quantized_linear.py)
 
     @classmethod
-    def open(cls, model_dir: Path, int8_activations: bool = False) -> "QuantizedWeights | None":
+    def open(cls, model_dir: Path, int8: bool = False) -> "QuantizedWeights | None":
         """The model directory's quantized weights; None where it has none (not converted from a GGUF file)."""
         path = model_dir / QUANTIZED_FILE
         if not path.is_file():
             return None
         with safe_open(path, framework="pt") as f:
-            return cls(path, json.loads(f.metadata()["gguf_types"]), int8_activations)
+            return cls(path, json.loads(f.metadata()["gguf_types"]), int8)
+
+    def int8_activations(self, names: list[str]) -> bool:
+        return self.int8
 
     def blocks(self, names: list[str]) -> tuple[torch.Tensor, QuantType] | None:
         """The weights `names` (side by side, as one linear computes them) as rows of GGUF blocks, if all are
