@@ -96,9 +96,6 @@ def write_awq(model_dir: Path, target: Path, group_size: int = 128) -> Path:
     return target
 
 
-GPTQ_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}  # format gptq (v1) stores each packed word of zero points less this
-
-
 def write_gptq(source: Path, target: Path, checkpoint_format: str = "gptq") -> Path:
     """A compressed-tensors checkpoint `write_compressed` wrote (pack-quantized, one config group) as a GPTQ one:
     qweight int32 [K * bits / 32, N] (inputs packed down the columns, input k at bit (k % (32 / bits)) * bits),
@@ -110,6 +107,8 @@ def write_gptq(source: Path, target: Path, checkpoint_format: str = "gptq") -> P
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from safetensors.torch import load_file, save_file
 
+    from kvloom.engine.model.gptq import V1_ZERO_OFFSET, int32_bits
+
     config = json.loads((source / "config.json").read_text())
     [group] = config["quantization_config"]["config_groups"].values()
     bits, symmetric = group["weights"]["num_bits"], group["weights"]["symmetric"]
@@ -119,10 +118,6 @@ def write_gptq(source: Path, target: Path, checkpoint_format: str = "gptq") -> P
         per_word = 32 // bits
         shifts = (torch.arange(per_word, dtype=torch.int64) * bits)[None, :, None]
         return (unsigned.to(torch.int64).unflatten(0, (-1, per_word)) << shifts).sum(1)
-
-    def as_int32(words: torch.Tensor) -> torch.Tensor:  # unsigned 32-bit values (int64) -> their bits as int32
-        words = words % (1 << 32)
-        return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
     tensors = load_file(source / "model.safetensors")
     out = {name: t for name, t in tensors.items()
@@ -135,9 +130,9 @@ def write_gptq(source: Path, target: Path, checkpoint_format: str = "gptq") -> P
             tensors[f"{prefix}.weight_zero_point"], bits, scale.shape, packed_dim=0)
         zero_words = pack_columns(zero.to(torch.int64) + middle)  # [N * bits / 32, G]: outputs packed
         if checkpoint_format == "gptq":
-            zero_words = zero_words - GPTQ_ZERO_OFFSET[bits]
-        out |= {f"{prefix}.qweight": as_int32(pack_columns(q.T.to(torch.int64) + middle)),
-                f"{prefix}.qzeros": as_int32(zero_words.T.contiguous()), f"{prefix}.scales": scale.T.contiguous(),
+            zero_words = zero_words - V1_ZERO_OFFSET[bits]
+        out |= {f"{prefix}.qweight": int32_bits(pack_columns(q.T.to(torch.int64) + middle)),
+                f"{prefix}.qzeros": int32_bits(zero_words.T.contiguous()), f"{prefix}.scales": scale.T.contiguous(),
                 f"{prefix}.g_idx": (torch.arange(shape[1]) // (shape[1] // scale.shape[1])).to(torch.int32)}
     target.mkdir(parents=True, exist_ok=True)
     save_file(out, target / "model.safetensors", metadata={"format": "pt"})

@@ -1,11 +1,11 @@
-"""Integer checkpoints as quantizers write them, from a tiny random Llama: compressed-tensors (llm-compressor's
-format, which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself; AutoAWQ's 4-bit
-gemm format, whose reference is that library's own AutoAWQ converter; and GPTQ's (AutoGPTQ's format and GPTQModel's
-v2), holding the integers of such a library-written checkpoint, whose de-quantization is the reference (all written,
-and the library's references computed, in a process of their own: the library imports triton, which Triton's
-interpreter tests here must import first). kvloom reads them without it
-(engine/model/compressed_tensors.py, awq.py, gptq.py): every linear reads as the library's own de-quantization, computed in
-float64, and runs as GGUF blocks in kvloom's quantized GEMM (engine/model/integer_weights.py;
+"""Integer checkpoints as quantizers write them, from a tiny random Llama: compressed-tensors (llm-compressor's format,
+which vLLM runs: W4A16, W8A16, W8A8), written by the compressed-tensors library itself; AutoAWQ's 4-bit gemm format,
+whose reference is that library's own AutoAWQ converter; and GPTQ's (formats gptq and gptq_v2), holding the integers
+of such a library-written checkpoint, whose de-quantization is the reference, its packing pinned by known answers
+from GPTQModel's code (all written, and the library's references computed, in a process of their own: the library
+imports triton, which Triton's interpreter tests here must import first). kvloom reads them without it
+(engine/model/compressed_tensors.py, awq.py, gptq.py): every linear reads as the library's own de-quantization,
+computed in float64, and runs as GGUF blocks in kvloom's quantized GEMM (engine/model/integer_weights.py;
 tests/test_quantized_linear.py checks that GEMM against de-quantize-then-matmul for each block type), so an engine on
 the checkpoint gives the tokens of an engine on its de-quantized weights. What kvloom cannot hold as blocks runs
 de-quantized, said once; what it cannot read at all, and `quantization` values that contradict the checkpoint, are
@@ -228,19 +228,18 @@ def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused
             engine(rewritten(compressed["W4A16"], tmp_path / name, **changes))
 
 
-def gptq_linear(directory: Path, qweight: list[int], qzeros: list[int], scales: list[float] | None = None,
+def gptq_linear(directory: Path, qweight: list[list[int]], qzeros: list[list[int]], scales: list[float] | None = None,
                 g_idx: list[int] | None = None) -> Path:
-    """One 4-bit linear of 8 inputs (a word of qweight, the same for each of its 8 outputs) by 8 outputs (a word of
-    qzeros a group), a scale a group (1 where not given) for every output."""
+    """One linear from its words as unsigned 32-bit values: qweight [K * bits / 32][N], qzeros [G][N * bits / 32],
+    a scale a group (1 where not given) for every output."""
     from safetensors.torch import save_file
 
-    def words(values: list[int]) -> torch.Tensor:  # unsigned 32-bit values -> their bits as int32 [len, 1]
-        return torch.tensor([v - (1 << 32) * (v >= 1 << 31) for v in values], dtype=torch.int32)[:, None]
+    from kvloom.engine.model.gptq import int32_bits
 
     directory.mkdir()
-    scales = scales or [1.0] * len(qzeros)
-    tensors = {"m.qweight": words(qweight).repeat(1, 8), "m.qzeros": words(qzeros),
-               "m.scales": torch.tensor(scales, dtype=torch.float16)[:, None].repeat(1, 8)}
+    outputs = len(qweight[0])
+    tensors = {"m.qweight": int32_bits(torch.tensor(qweight)), "m.qzeros": int32_bits(torch.tensor(qzeros)),
+               "m.scales": torch.tensor(scales or [1.0] * len(qzeros), dtype=torch.float16)[:, None].repeat(1, outputs)}
     if g_idx is not None:
         tensors["m.g_idx"] = torch.tensor(g_idx, dtype=torch.int32)
     save_file(tensors, directory / "model.safetensors")
@@ -254,16 +253,31 @@ def read_gptq(model_dir: Path, **config) -> IntegerCheckpoint:
     return open_gptq(Checkpoint.open(model_dir, torch.float32, torch.device("cpu")), config)
 
 
-def test_gptq_packs_inputs_down_a_column_and_its_format_gptq_stores_zero_points_less_one_borrows_included(tmp_path):
-    """A known answer, pinned to GPTQModel's de-quantization (gptqmodel/nn_modules/qlinear: weight nibble i of
-    qweight[r, n] is input 8r + i; zero nibble i of qzeros[g, c] is output 8c + i) and its v1 -> v2 conversion (each
-    zero-point word plus 0x11111111): zero points 0..7 stored less one borrow from the next nibble."""
-    v2_word = sum(z << (4 * i) for i, z in enumerate(range(8)))
-    for layout, word in {"gptq": (v2_word - 0x11111111) % (1 << 32), "gptq_v2": v2_word}.items():
-        checkpoint = read_gptq(gptq_linear(tmp_path / layout, [0x76543210], [word]), bits=4, group_size=-1,
-                               sym=False, checkpoint_format=layout)
-        # [8 outputs, 8 inputs]: input k stored as k, output n's zero point n
-        assert torch.equal(checkpoint.get("m.weight"), torch.arange(8.)[None, :] - torch.arange(8.)[:, None]), layout
+def words(values: list[int], bits: int) -> list[int]:
+    """Values packed into 32-bit words, value i at bit (i % (32 / bits)) * bits of word i // (32 / bits)."""
+    per_word = 32 // bits
+    return [sum(v << (bits * i) for i, v in enumerate(values[w:w + per_word])) for w in range(0, len(values), per_word)]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_packs_inputs_down_a_column_and_its_format_gptq_stores_zero_points_less_one_borrows_included(
+        tmp_path, bits):
+    """A known answer, pinned to GPTQModel's de-quantization (gptqmodel/nn_modules/qlinear: weight i of qweight[r, n]
+    is input r * 32 / bits + i; zero point i of qzeros[g, c] is output c * 32 / bits + i) and its v1 -> v2
+    conversion (each zero-point word plus 0x11111111, 8-bit 0x01010101): stored less one, a zero point of 0 borrows
+    from the next. Output n stores input k as k + 3n (mod 2^bits), zero point n * (2^bits / 8)."""
+    top, step = 1 << bits, (1 << bits) // 8
+    stored = [[(k + 3 * n) % top for k in range(8)] for n in range(8)]
+    columns = [words(row, bits) for row in stored]  # output n's column of qweight
+    qweight = [list(row) for row in zip(*columns)]
+    zero_words = words([n * step for n in range(8)], bits)
+    offset = {4: 0x11111111, 8: 0x01010101}[bits]
+    for layout, config in {"gptq": {"checkpoint_format": "gptq"}, "gptq_v2": {"format": "gptq_v2"}}.items():
+        qzeros = [[(w - offset) % (1 << 32) if layout == "gptq" else w for w in zero_words]]
+        checkpoint = read_gptq(gptq_linear(tmp_path / f"{layout}-{bits}", qweight, qzeros), bits=bits,
+                               group_size=-1, sym=False, **config)
+        expected = torch.tensor(stored, dtype=torch.float32) - step * torch.arange(8.)[:, None]
+        assert torch.equal(checkpoint.get("m.weight"), expected), layout
 
 
 def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequantized_said_once(
@@ -272,7 +286,7 @@ def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequ
     odd inputs in group 0 (scale 1, zero points 8) and the even ones in group 1 (scale 2, zero points 0)."""
     from safetensors.torch import save_file
 
-    checkpoint = read_gptq(gptq_linear(tmp_path / "known", [0x76543210], [0x88888888, 0], [1.0, 2.0],
+    checkpoint = read_gptq(gptq_linear(tmp_path / "known", [[0x76543210] * 8], [[0x88888888], [0]], [1.0, 2.0],
                                        g_idx=[1, 0, 1, 0, 1, 0, 1, 0]), bits=4, group_size=4, desc_act=True,
                            sym=False, checkpoint_format="gptq_v2")
     inputs = torch.arange(8.)
@@ -298,12 +312,17 @@ def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequ
     assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)
 
 
-def test_gptq_layouts_kvloom_does_not_read_and_per_module_overrides_are_refused(compressed, tmp_path):
-    for name, changes in {"marlin": {"checkpoint_format": "marlin"}, "3-bit": {"bits": 3},
-                          "int16": {"pack_dtype": "int16"}}.items():
-        with pytest.raises(ModelLoadError, match="kvloom reads 4- and 8-bit gptq and gptq_v2 packed in int32"):
+def test_gptq_that_would_read_as_other_weights_is_refused_by_name(compressed, tmp_path):
+    refusals = {"marlin": ({"checkpoint_format": "marlin"}, "kvloom reads 4- and 8-bit gptq and gptq_v2 packed in"),
+                "3-bit": ({"bits": 3}, "kvloom reads 4- and 8-bit"), "int16": ({"pack_dtype": "int16"}, "in int32"),
+                "disagree": ({"format": "gptq_v2"}, "format and checkpoint_format disagree"),
+                "dynamic": ({"dynamic": {"+:.*down_proj.*": {"bits": 8}}}, "per-module overrides"),
+                "rotation": ({"rotation": "hadamard"}, "rotation 'hadamard'"),
+                "activation": ({"activation": {"mlp": "fp8"}}, "weight-only GPTQ")}
+    for name, (changes, message) in refusals.items():
+        with pytest.raises(ModelLoadError, match=message):
             engine(rewritten(compressed["GPTQ"], tmp_path / name, **changes))
-    with pytest.raises(ModelLoadError, match="per-module overrides"):
-        engine(rewritten(compressed["GPTQ"], tmp_path / "dynamic", dynamic={"-:.*down_proj.*": {}}))
     with pytest.raises(ModelLoadError, match="zero points are not 8"):
         engine(rewritten(compressed["GPTQ_ASYM"], tmp_path / "not-symmetric", sym=True))
+    # overrides that only leave modules unquantized change nothing kvloom reads: those have plain weights
+    engine(rewritten(compressed["GPTQ"], tmp_path / "skips", dynamic={"-:.*lm_head.*": {}}))

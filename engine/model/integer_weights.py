@@ -141,7 +141,7 @@ class IntegerCheckpoint(Checkpoint):
             return self._dense(prefix, "8-bit with zero points")
         stored = self.integers(prefix)
         if stored.group_of is not None:
-            return self._dense(prefix, "inputs grouped by activation order")
+            return self._dense(prefix, "inputs grouped by g_idx (activation order), not in runs of a group's size")
         if stored.group % BLOCK:
             return self._dense(prefix, f"groups of {stored.group} inputs (not whole blocks of {BLOCK})")
         d = stored.scale.to(torch.float16)
