@@ -218,13 +218,33 @@ def test_int8_activations_are_those_of_the_linears_whose_group_quantizes_its_inp
         False, False, True, True]
 
 
-def test_groups_ordered_by_activations_or_weights_not_yet_compressed_are_refused(compressed, tmp_path):
-    [group] = json.loads((compressed["W4A16"] / "config.json").read_text())["quantization_config"][
-        "config_groups"].values()
-    reordered = {"group_0": {**group, "weights": {**group["weights"], "actorder": "group"}}}
-    for name, changes in {"actorder": {"config_groups": reordered}, "frozen": {"quantization_status": "frozen"},
+def ordered(model_dir: Path, actorder) -> dict:
+    """The checkpoint's one config group with activation order `actorder`."""
+    [group] = json.loads((model_dir / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    return {"group_0": {**group, "weights": {**group["weights"], "actorder": actorder}}}
+
+
+def test_activation_order_weight_reads_as_consecutive_groups_and_group_order_through_weight_g_idx(
+        compressed, tmp_path, caplog):
+    """Order `weight` (alias `static`: the library's only one now) changed only the calibration; the older `group`
+    order stored each input's group in weight_g_idx, which the library de-quantized by (scale[:, g_idx])."""
+    for actorder in ("weight", "static"):
+        checkpoint = read_checkpoint(rewritten(compressed["W4A16"], tmp_path / actorder,
+                                               config_groups=ordered(compressed["W4A16"], actorder)))
+        for name, weight in library_weights(compressed["W4A16"]).items():
+            assert torch.equal(checkpoint.get(name, torch.float64), weight), name
+            assert checkpoint.blocks([name]) is not None
+    grouped = rewritten(compressed["W4A16"], tmp_path / "group", config_groups=ordered(compressed["W4A16"], "group"))
+    check_mirrored_groups_run_dequantized(grouped, library_weights(compressed["W4A16"]), tmp_path / "group-mapped",
+                                          "weight_g_idx", caplog)
+
+
+def test_groups_ordered_by_activations_without_their_map_rotations_or_weights_not_yet_compressed_are_refused(
+        compressed, tmp_path):
+    for name, changes in {"actorder": {"config_groups": ordered(compressed["W4A16"], "group")},
+                          "frozen": {"quantization_status": "frozen"},
                           "rotated": {"transform_config": {"config_groups": {"u": {"type": "hadamard"}}}}}.items():
-        with pytest.raises(ModelLoadError, match="consecutive groups without rotations"):
+        with pytest.raises(ModelLoadError, match="without rotations whose groups are consecutive or mapped"):
             engine(rewritten(compressed["W4A16"], tmp_path / name, **changes))
 
 
@@ -284,8 +304,6 @@ def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequ
         compressed, tmp_path, caplog):
     """GPTQModel's w = scales[g_idx] * (weight - zeros[g_idx]) (desc_act): input k in group g_idx[k], here the
     odd inputs in group 0 (scale 1, zero points 8) and the even ones in group 1 (scale 2, zero points 0)."""
-    from safetensors.torch import save_file
-
     checkpoint = read_gptq(gptq_linear(tmp_path / "known", [[0x76543210] * 8], [[0x88888888], [0]], [1.0, 2.0],
                                        g_idx=[1, 0, 1, 0, 1, 0, 1, 0]), bits=4, group_size=4, desc_act=True,
                            sym=False, checkpoint_format="gptq_v2")
@@ -293,20 +311,34 @@ def test_gptq_inputs_grouped_by_activation_order_read_through_g_idx_and_run_dequ
     assert torch.equal(checkpoint.get("m.weight"), torch.where(inputs % 2 == 1, inputs - 8, 2 * inputs).expand(8, 8))
     assert checkpoint.blocks(["m.weight"]) is None
 
-    # the GPTQ checkpoint's groups dealt in reverse (group G-1-i holds inputs i*g..): each weight then takes its
-    # group's mirror's scale (symmetric: w = s * q, so q is the library's weight over its own scale)
-    model_dir = shutil.copytree(compressed["GPTQ"], tmp_path / "act-order")
-    tensors = load_file(model_dir / "model.safetensors")
-    for name in [n for n in tensors if n.endswith(".g_idx")]:
-        tensors[name] = (tensors[name].max() - tensors[name]).contiguous()
-    save_file(tensors, model_dir / "model.safetensors", metadata={"format": "pt"})
-    checkpoint = read_checkpoint(model_dir)
-    for name, weight in library_weights(compressed["GPTQ"]).items():
-        scales = tensors[name.replace(".weight", ".scales")].double().T  # [N, G]
-        consecutive = scales.repeat_interleave(SCHEMES["GPTQ"][0], 1)
-        assert torch.equal(checkpoint.get(name, torch.float64), weight / consecutive * consecutive.flip(1)), name
+    check_mirrored_groups_run_dequantized(compressed["GPTQ"], library_weights(compressed["GPTQ"]),
+                                          tmp_path / "act-order", "g_idx", caplog)
+
+
+def check_mirrored_groups_run_dequantized(model_dir: Path, reference: dict[str, torch.Tensor], target: Path,
+                                          g_idx: str, caplog) -> None:
+    """A copy of a symmetric checkpoint of consecutive groups (`reference`: the library's weights), each linear's
+    `<linear>.<g_idx>` (written where missing) giving the inputs of group i to group G-1-i: each weight then takes
+    its group's mirror's scale (w = s * q, so q is the reference over its own scale), and every linear runs
+    de-quantized, said in one line."""
+    from safetensors.torch import save_file
+
+    copy = shutil.copytree(model_dir, target)
+    tensors = load_file(copy / "model.safetensors")
+    expected = {}
+    for name, weight in reference.items():
+        prefix = name.removesuffix(".weight")
+        scale = tensors[f"{prefix}.weight_scale"] if f"{prefix}.weight_scale" in tensors else tensors[
+            f"{prefix}.scales"].T  # [N, G]: compressed-tensors', GPTQ's transposed
+        inputs, groups = weight.shape[1], scale.shape[1]
+        tensors[f"{prefix}.{g_idx}"] = (groups - 1 - torch.arange(inputs) // (inputs // groups)).to(torch.int32)
+        consecutive = scale.double().repeat_interleave(inputs // groups, 1)
+        expected[name] = weight / consecutive * consecutive.flip(1)
+    save_file(tensors, copy / "model.safetensors", metadata={"format": "pt"})
+    checkpoint = read_checkpoint(copy)
+    assert all(torch.equal(checkpoint.get(name, torch.float64), weight) for name, weight in expected.items())
     with caplog.at_level(logging.INFO, logger="kvloom.engine.model.integer_weights"):
-        dense = engine(model_dir)
+        dense = engine(copy)
     said = [r.getMessage() for r in caplog.records if "de-quantized" in r.getMessage()]
     assert len(said) == 1 and "14 linear(s)" in said[0] and "activation order" in said[0], said
     assert not isinstance(dense.decoder.layers[0].qkv, QuantizedLinear)

@@ -15,7 +15,7 @@ import torch
 
 from kvloom.engine.errors import ModelLoadError
 from kvloom.engine.model.checkpoint import Checkpoint
-from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, unpack
+from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, input_groups, unpack
 
 FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
 
@@ -50,20 +50,23 @@ def _scheme_for(name: str, targeted: list[tuple[list[str], WeightScheme]]) -> We
 
 
 def open_compressed(checkpoint: Checkpoint, config: dict) -> "CompressedCheckpoint":
-    """`checkpoint` read through its `quantization_config` (compressed-tensors). What would read as wrong weights
-    is refused: groups ordered by activations (`actorder`, `weight_g_idx`), online rotations (`transform_config`),
-    weights not yet compressed (`quantization_status`)."""
+    """`checkpoint` read through its `quantization_config` (compressed-tensors). Activation order `weight` (alias
+    `static`) changed only GPTQ's calibration: its groups are consecutive. Older `group` order stored each input's group
+    (`weight_g_idx`), read through it. What would read as wrong weights is refused: `group` order without its
+    `weight_g_idx`, online rotations (`transform_config`), weights not yet compressed (`quantization_status`)."""
     groups = config.get("config_groups") or {}
     formats = {group.get("format") or config.get("format") for group in groups.values()}
     if not formats or not formats <= set(FORMATS):
         raise ModelLoadError(f"compressed-tensors format {sorted(map(str, formats))}: kvloom reads "
                              f"{', '.join(FORMATS)}")
-    reordered = any((group.get("weights") or {}).get("actorder") not in (None, False, "static")
-                    for group in groups.values()) or any(n.endswith(".weight_g_idx") for n in checkpoint.files)
-    if reordered or config.get("transform_config") or config.get("quantization_status", "compressed") != "compressed":
-        raise ModelLoadError("compressed-tensors: kvloom reads compressed checkpoints of consecutive groups without "
-                             "rotations (this one has activation-ordered groups, a transform_config, or "
-                             f"quantization_status {config.get('quantization_status')!r})")
+    grouped = any((group.get("weights") or {}).get("actorder") not in (None, False, "weight", "static")
+                  for group in groups.values())
+    unmapped = grouped and not any(n.endswith(".weight_g_idx") for n in checkpoint.files)
+    if unmapped or config.get("transform_config") or config.get("quantization_status", "compressed") != "compressed":
+        raise ModelLoadError("compressed-tensors: kvloom reads compressed checkpoints without rotations whose groups "
+                             "are consecutive or mapped by weight_g_idx (this one has activation-ordered groups "
+                             "without it, a transform_config, or quantization_status "
+                             f"{config.get('quantization_status')!r})")
     targeted = [(group.get("targets") or ["Linear"], scheme_of(group)) for group in groups.values()]
     prefixes = {name.rsplit(".", 1)[0] for name in checkpoint.files
                 if name.endswith((".weight_packed", ".weight_scale"))}
@@ -93,4 +96,8 @@ class CompressedCheckpoint(IntegerCheckpoint):
             if packed:  # packed along the outputs
                 zero = unpack(zero.T.contiguous(), bits, q.shape[0]).T
             zero = zero.to(torch.int16).reshape(scale.shape)
-        return Integers(q, scale, zero)
+        group_of = None
+        if f"{prefix}.weight_g_idx" in self:
+            group_of = input_groups(self.raw(f"{prefix}.weight_g_idx"), q.shape[1], scale.shape[1],
+                                    q.shape[1] // scale.shape[1], f"compressed-tensors: {prefix}.weight_g_idx")
+        return Integers(q, scale, zero, group_of)

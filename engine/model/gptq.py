@@ -15,7 +15,7 @@ import torch
 
 from kvloom.engine.errors import ModelLoadError
 from kvloom.engine.model.checkpoint import Checkpoint
-from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, unpack
+from kvloom.engine.model.integer_weights import IntegerCheckpoint, Integers, WeightScheme, input_groups, unpack
 
 FORMATS = ("gptq", "gptq_v2")
 V1_ZERO_OFFSET = {4: 0x11111111, 8: 0x01010101}  # what format gptq took off each packed word of zero points
@@ -82,14 +82,8 @@ class GptqCheckpoint(IntegerCheckpoint):
         return Integers(q, scale, None, group_of)
 
     def _group_of(self, prefix: str, inputs: int, groups: int) -> torch.Tensor | None:
-        """Each input's group where g_idx says other than runs of group_size inputs dividing them evenly (activation
-        order), else None."""
+        """Each input's group where g_idx says other than runs of group_size inputs (activation order), else None."""
         if f"{prefix}.g_idx" not in self:
             return None
-        group_of = self.raw(f"{prefix}.g_idx").long()
-        if group_of.shape != (inputs,) or group_of.min() < 0 or group_of.max() >= groups:
-            raise ModelLoadError(f"GPTQ: {prefix}.g_idx does not give each of its {inputs} inputs one of its {groups} "
-                                 "groups")
         size = inputs if self.group_size == -1 else self.group_size
-        runs = inputs % size == 0 and torch.equal(group_of, torch.arange(inputs) // size)
-        return None if runs else group_of
+        return input_groups(self.raw(f"{prefix}.g_idx"), inputs, groups, size, f"GPTQ: {prefix}.g_idx")

@@ -42,7 +42,7 @@ class WeightScheme:
 class Integers:
     """One linear as stored: q [N, K] (int16, signed: q = stored - 2^(bits-1)), scales [N, G] and zero points [N, G]
     on the same signed scale (None: symmetric). The groups are K / G consecutive inputs, or where `group_of` [K] is
-    given, input k is in group group_of[k] (GPTQ's activation order)."""
+    given, input k is in group group_of[k] (activation order: `input_groups`)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -78,6 +78,16 @@ def unpack(words: torch.Tensor, num_bits: int, columns: int) -> torch.Tensor:
     shifts = torch.arange(32 // num_bits, dtype=torch.int32) * num_bits
     values = (words.to(torch.int32)[..., None] >> shifts) & ((1 << num_bits) - 1)
     return values.flatten(-2)[..., :columns].to(torch.int16) - (1 << (num_bits - 1))
+
+
+def input_groups(g_idx: torch.Tensor, inputs: int, groups: int, size: int, name: str) -> torch.Tensor | None:
+    """A stored g_idx (input k's group: GPTQ's `g_idx`, compressed-tensors' `weight_g_idx`) checked, or None where it
+    only says what Integers assumes without one: runs of `size` inputs dividing them evenly."""
+    group_of = g_idx.long()
+    if group_of.shape != (inputs,) or group_of.min() < 0 or group_of.max() >= groups:
+        raise ModelLoadError(f"{name} does not give each of its {inputs} inputs one of its {groups} groups")
+    runs = inputs % size == 0 and torch.equal(group_of, torch.arange(inputs) // size)
+    return None if runs else group_of
 
 
 class IntegerCheckpoint(Checkpoint):
