@@ -107,9 +107,11 @@ def rerun_in_fresh_interpreter():
 def pytest_collection_modifyitems(session, config, items):
     """Modules on the session's Ray cluster run last, each whole and in file order: the cluster starts with the
     first of them, so the rest of the suite (and the tests that start clusters of their own) runs without its
-    idle processes taking a share of the cores."""
+    idle processes taking a share of the cores. Last of all, those serving one app (their module's `SHARED_APP`,
+    the same config), one after another: `deploy` keeps the app from one to the next."""
     on_cluster = {item.module for item in items if "ray_serve" in item.fixturenames}
-    items.sort(key=lambda item: item.module in on_cluster)  # stable: file order within each group
+    # stable: file order within each group
+    items.sort(key=lambda item: (item.module in on_cluster, getattr(item.module, "SHARED_APP", "")))
 
 
 def pytest_report_header(config):
@@ -419,17 +421,31 @@ def ray_serve():
     ray.shutdown()
 
 
+_deployed: dict[str, tuple[str, float]] = {}  # app name -> (the config `deploy` gave it, Serve's deployment time)
+
+
 def deploy(config, app_name: str = "kvloom", timeout_s: float = 180):
-    """Deploy a ClusterConfig and wait until the router sees exactly its replicas (also when scaling down)."""
+    """Deploy a ClusterConfig and wait until the router sees exactly its replicas (also when scaling down). An app
+    this deployed with the same config, which Serve has not deployed again since and whose replicas all report, is
+    kept: modules serving one config (a `SHARED_APP`, run one after another) start it once, ~10 s each."""
     import time
+
+    from ray import serve
 
     from kvloom.cluster import app
 
+    wanted = (config.model_dump_json(), app.expected_replicas(config))
+    running = serve.status().applications.get(app_name)
+    if running is not None and _deployed.get(app_name) == (wanted[0], running.last_deployed_time_s):
+        router = serve.get_deployment_handle(app.ROUTER_NAME, app_name)
+        if running.status == "RUNNING" and len(router.replica_stats.remote().result()) == wanted[1]:
+            return router
     router = app.deploy(config, app_name, timeout_s)
     deadline = time.monotonic() + timeout_s
-    while len(router.replica_stats.remote().result()) != app.expected_replicas(config):
+    while len(router.replica_stats.remote().result()) != wanted[1]:
         assert time.monotonic() < deadline, "replicas did not report in time"
         time.sleep(0.25)
+    _deployed[app_name] = (wanted[0], serve.status().applications[app_name].last_deployed_time_s)
     return router
 
 

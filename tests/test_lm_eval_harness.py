@@ -9,7 +9,8 @@ import pytest
 from kvloom.cluster.config import ClusterConfig
 
 pytestmark = pytest.mark.slow
-ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024, "max_num_seqs": 8, "dtype": "float32"}
+ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048, "max_num_seqs": 8, "dtype": "float32"}
+SHARED_APP = "smollm2"  # the app these modules serve is one: conftest.deploy starts it once for them all
 QUESTIONS = [
     ("The capital of France is", [" Paris", " Rome", " Madrid"], 0),
     ("Water freezes at zero degrees", [" Celsius", " Fahrenheit", " Kelvin"], 0),

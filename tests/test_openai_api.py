@@ -19,7 +19,8 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024, "max_num_seqs": 8, "dtype": "float32"}
+ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048, "max_num_seqs": 8, "dtype": "float32"}
+SHARED_APP = "smollm2"  # the app these modules serve is one: conftest.deploy starts it once for them all
 PROMPTS = ["The three most useful kitchen tools are", "My favourite season is autumn because",
            "To learn a language quickly, you should"]
 QUESTION = [{"role": "user", "content": "Is the sky blue? Answer yes or no."}]
@@ -287,7 +288,7 @@ def test_unknown_bookkeeping_fields_are_accepted_and_output_changing_ones_refuse
     ({"prompt_logprobs": 21}, "prompt_logprobs"), ({"prompt": ["a"] * 65}, "prompt"), ({"seed": 2**63}, "seed"),
     ({"allowed_token_ids": [999999]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
     ({"bad_words": [" "]}, "bad_words"), ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
-    ({"truncate_prompt_tokens": 1020}, "truncate_prompt_tokens"),  # max_model_len 1024 less max_tokens 16: 1008
+    ({"truncate_prompt_tokens": 2044}, "truncate_prompt_tokens"),  # max_model_len 2048 less max_tokens 16: 2032
 ])
 def test_bad_values_get_a_400_naming_the_field(base, body, param):
     response = httpx.post(f"{base}/v1/completions", json={"model": "smollm2", "prompt": "hi", **body}, timeout=60)
@@ -425,7 +426,7 @@ def test_a_bad_constraint_is_a_400_naming_its_field(base, body, param):
 def test_tokenize_and_detokenize_round_trip(base, offline):
     tokens = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[0]}, timeout=30).json()
     assert tokens["tokens"] == offline.encode(PROMPTS[0]) and tokens["count"] == len(tokens["tokens"])
-    assert tokens["max_model_len"] == 1024
+    assert tokens["max_model_len"] == ENGINE["max_model_len"]
     back = httpx.post(f"{base}/detokenize", json={"model": "smollm2", "tokens": tokens["tokens"]}, timeout=30)
     assert back.json() == {"prompt": PROMPTS[0]}
     chat = httpx.post(f"{base}/tokenize", json={"messages": QUESTION}, timeout=30).json()
@@ -436,7 +437,7 @@ def test_tokenize_and_detokenize_round_trip(base, offline):
 
 def test_models_lists_max_model_len(base):
     (model,) = httpx.get(f"{base}/v1/models", timeout=30).json()["data"]
-    assert model["id"] == "smollm2" and model["max_model_len"] == 1024
+    assert model["id"] == "smollm2" and model["max_model_len"] == ENGINE["max_model_len"]
 
 
 # ---- the README's examples, run as written -------------------------------------------------

@@ -11,7 +11,8 @@ from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 1024, "max_num_seqs": 8}
+ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048, "max_num_seqs": 8, "dtype": "float32"}
+SHARED_APP = "smollm2"  # the app these modules serve is one: conftest.deploy starts it once for them all
 PROMPT = "The three most useful kitchen tools are"
 QUESTION = [{"role": "user", "content": "Give me two tips for writing clear emails."}]
 
@@ -118,9 +119,10 @@ def test_openapi_document_and_docs_page_through_serve(server):
         ("/v1/completions", {"model": "smollm2", "prompt": ["a", "b"], "best_of": 33}, 400, "prompt"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"model": "smollm2", "prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
-        ("/v1/completions", {"model": "smollm2", "prompt": "word " * 1100}, 400, "prompt"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "word " * (ENGINE["max_model_len"] + 76)}, 400, "prompt"),
         ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400, "prompt"),
-        ("/v1/completions", {"model": "smollm2", "prompt": "word " * 900, "max_tokens": 500}, 400, "max_tokens"),
+        ("/v1/completions", {"model": "smollm2", "prompt": "word " * (ENGINE["max_model_len"] - 124),
+                             "max_tokens": 500}, 400, "max_tokens"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function"}]}, 400, "tools.0.function"),

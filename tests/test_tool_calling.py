@@ -16,6 +16,7 @@ from kvloom.engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 ENGINE = {"kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048, "max_num_seqs": 8, "dtype": "float32"}
+SHARED_APP = "smollm2"  # the app these modules serve is one: conftest.deploy starts it once for them all
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},
