@@ -11,10 +11,13 @@ from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 
+POOL = 1 << 24  # KV bytes: room for these prompts (the default 2 GiB costs an engine 1-7 s to fault in here)
+
 
 @pytest.fixture(scope="module")
 def async_engine(tiny_model_dir):
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4,
+                                        kv_cache_memory_bytes=POOL))
     yield engine
     engine.shutdown()
 
@@ -39,7 +42,7 @@ async def test_concurrent_streams_match_offline_engine(async_engine, tiny_model_
     prompts = [[5, 6, 7], list(range(10, 60)), [300] * 20]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     streams = await asyncio.gather(*(collect(async_engine, p, params) for p in prompts))
-    offline = LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4)
+    offline = LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=POOL)
     for prompt, outputs in zip(prompts, streams):
         assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "length"
         streamed = [t for o in outputs for t in o.outputs[0].delta_token_ids]
@@ -146,7 +149,8 @@ async def test_an_id_still_streaming_is_refused_at_once_and_the_first_runs_on(as
 def test_an_async_engine_warms_up_before_it_takes_requests(tiny_model_dir):
     """The first user request does not pay for what starts lazily: one short request ran at start (a fresh
     engine, nothing sent to it, whose requests may be only 8 tokens long), and left every block free."""
-    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4, max_model_len=8))
+    engine = AsyncLLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4, max_model_len=8,
+                                        kv_cache_memory_bytes=POOL))
     try:
         stats = engine.stats()
         assert stats.num_steps >= 1

@@ -6,9 +6,11 @@ import time
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 
+POOL = 1 << 24  # KV bytes: room for these prompts (the default 2 GiB costs an engine 1-7 s to fault in here)
+
 
 def test_steps_requests_and_seconds_are_counted_and_an_idle_step_counts_nothing(tiny_model_dir):
-    engine = LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4)
+    engine = LLMEngine(model=str(tiny_model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=POOL)
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"r{i}", [5 + i] * 8, params)

@@ -294,7 +294,7 @@ def test_a_fused_engine_never_imports_the_transformers_model_classes(tiny_model_
     """They pull torch._dynamo, sympy and torch.distributed in: ~180 MB of every replica's memory."""
     script = (
         "import sys; from kvloom.engine.llm_engine import LLMEngine; "
-        f"engine = LLMEngine(model={str(tiny_model_dir)!r}, block_size=4); "
+        f"engine = LLMEngine(model={str(tiny_model_dir)!r}, block_size=4, kv_cache_memory_bytes={POOL}); "
         "print(type(engine.decoder).__name__, [m for m in ('torch._dynamo', 'sympy', 'transformers.modeling_utils') "
         "if m in sys.modules])"
     )

@@ -15,6 +15,8 @@ from kvloom.kernels import item_pool, packed_linear
 from kvloom.kernels.host_isa import HostISA
 from kvloom.kernels.packed_linear import Layout, PackedLinear, to_blocked
 
+POOL = 1 << 24  # KV bytes: room for these prompts (the default 2 GiB costs an engine 1-7 s to fault in here)
+
 BLOCKED_KERNEL = pytest.mark.host("blocked-gemm")
 
 
@@ -41,10 +43,11 @@ def test_the_pool_takes_torchs_threads_and_gives_them_back(kernel_threads):
 def test_an_engine_on_the_blocked_kernel_runs_on_the_pool_and_one_on_onednn_on_openmp(
         tiny_model_dir, kernel_threads, monkeypatch):
     kernel_threads(2, pool=False)
-    LLMEngine(dtype="bfloat16", model=str(tiny_model_dir), block_size=4)
+    LLMEngine(dtype="bfloat16", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 1)
     monkeypatch.setattr(packed_linear, "host_isa", lambda: HostISA("AVX2 only", frozenset({"avx2"})))
-    LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4)  # oneDNN's GEMMs need torch's team
+    # oneDNN's GEMMs need torch's team
+    LLMEngine(dtype="float32", model=str(tiny_model_dir), block_size=4, kv_cache_memory_bytes=POOL)
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (0, 2)
 
 
@@ -53,7 +56,7 @@ def test_an_offline_llm_moves_its_callers_torch_threads_only_while_it_steps(tiny
     """Its steps run on the caller's thread, torch's ops there inline (one thread) beside the pool; before and
     after, the caller's own torch work keeps the threads it had."""
     kernel_threads(2, pool=False)
-    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", block_size=4)
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", block_size=4, kv_cache_memory_bytes=POOL)
     assert (item_pool.pool_threads(), torch.get_num_threads()) == (2, 2)
     during, step = [], llm.engine.step
     llm.engine.step = lambda: during.append(torch.get_num_threads()) or step()

@@ -24,6 +24,7 @@ from kvloom.engine.sampling import SamplingParams
 
 BLOCK = 16
 MAX_TOKENS = 8
+POOL = 1 << 24  # KV bytes of the offline reference (the default 2 GiB costs an engine 1-7 s to fault in here)
 BUSY_TOKENS = 900  # a stream that outlasts what the test does meanwhile; cancelled after
 TENANTS = [{"name": "alice", "api_keys": ["sk-alice"]}, {"name": "bob", "api_keys": ["sk-bob"]}]
 ALICE, BOB = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-bob"}
@@ -71,7 +72,7 @@ def adapter(tiny_model_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def expected(tiny_model_dir, adapter) -> Callable[[list[int], str | None], str]:
     """A prompt's greedy text under the base model or the adapter, from the offline engine."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", lora={"adapters": {"qv": adapter}})
+    llm = LLM(str(tiny_model_dir), dtype="float32", lora={"adapters": {"qv": adapter}}, kv_cache_memory_bytes=POOL)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return lambda prompt, lora: llm.generate(prompt, greedy, lora=lora)[0].outputs[0].text
 

@@ -17,6 +17,7 @@ from kvloom.engine.sampling import SamplingParams
 pytestmark = pytest.mark.slow
 PROMPTS = [[17, 5, 99, 23, 7], [201, 45, 3, 88, 120, 9, 14], [300, 301, 302]]
 MAX_TOKENS = 12
+POOL = 1 << 24  # KV bytes of the offline reference (the default 2 GiB costs an engine 1-7 s to fault in here)
 TENANTS = [{"name": "alice", "api_keys": ["sk-alice"]},
            {"name": "limited", "api_keys": ["sk-limited"], "lora_adapters": ["qv"]}]
 ALICE, ADMIN = {"Authorization": "Bearer sk-alice"}, {"Authorization": "Bearer sk-admin"}
@@ -38,7 +39,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 def expected(tiny_model_dir, adapters) -> dict[str | None, list[str]]:
     """Each prompt's greedy text under the base and each adapter, from the offline engine (itself equal to
     transformers + peft: test_lora.py)."""
-    llm = LLM(str(tiny_model_dir), dtype="float32", lora={"adapters": {n: adapters[n] for n in ("qv", "mlp", "late")}})
+    llm = LLM(str(tiny_model_dir), dtype="float32", lora={"adapters": {n: adapters[n] for n in ("qv", "mlp", "late")}},
+              kv_cache_memory_bytes=POOL)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
     return {name: [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, lora=name)]
             for name in (None, "qv", "mlp", "late")}

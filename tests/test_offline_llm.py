@@ -8,11 +8,12 @@ from kvloom.engine.llm import LLM
 from kvloom.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+POOL = 1 << 24  # KV bytes: room for these prompts (the default 2 GiB costs an engine 1-7 s to fault in here)
 
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir):
-    return LLM(model=str(tiny_model_dir), dtype="float32", block_size=4)
+    return LLM(model=str(tiny_model_dir), dtype="float32", block_size=4, kv_cache_memory_bytes=POOL)
 
 
 def test_one_prompt_is_a_batch_of_one_whether_text_or_token_ids(tiny_llm):
