@@ -434,18 +434,18 @@ def deploy(config, app_name: str = "kvloom", timeout_s: float = 180):
 
     from kvloom.cluster import app
 
-    wanted = (config.model_dump_json(), app.expected_replicas(config))
+    config_json, replicas = config.model_dump_json(), app.expected_replicas(config)
     running = serve.status().applications.get(app_name)
-    if running is not None and _deployed.get(app_name) == (wanted[0], running.last_deployed_time_s):
+    if running is not None and _deployed.get(app_name) == (config_json, running.last_deployed_time_s):
         router = serve.get_deployment_handle(app.ROUTER_NAME, app_name)
-        if running.status == "RUNNING" and len(router.replica_stats.remote().result()) == wanted[1]:
+        if running.status == "RUNNING" and len(router.replica_stats.remote().result()) == replicas:
             return router
     router = app.deploy(config, app_name, timeout_s)
     deadline = time.monotonic() + timeout_s
-    while len(router.replica_stats.remote().result()) != wanted[1]:
+    while len(router.replica_stats.remote().result()) != replicas:
         assert time.monotonic() < deadline, "replicas did not report in time"
         time.sleep(0.25)
-    _deployed[app_name] = (wanted[0], serve.status().applications[app_name].last_deployed_time_s)
+    _deployed[app_name] = (config_json, serve.status().applications[app_name].last_deployed_time_s)
     return router
 
 
