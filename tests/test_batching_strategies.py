@@ -71,7 +71,7 @@ def test_continuous_admits_as_soon_as_a_slot_frees():
 def test_batch_level_strategies_produce_the_same_tokens(tiny_model_dir, drive, batching):
     prompts = [[5 + i] * (4 + 9 * i) for i in range(6)]
     params = SamplingParams(max_tokens=8, temperature=0)
-    continuous = drive(LLMEngine(model=str(tiny_model_dir), block_size=4), prompts, params)
-    other = drive(LLMEngine(model=str(tiny_model_dir), block_size=4, batching=batching, max_num_seqs=4,
-                            max_wait_ms=0), prompts, params)
+    settings = {"model": str(tiny_model_dir), "block_size": 4, "kv_cache_memory_bytes": 1 << 24}
+    continuous = drive(LLMEngine(**settings), prompts, params)
+    other = drive(LLMEngine(**settings, batching=batching, max_num_seqs=4, max_wait_ms=0), prompts, params)
     assert [o.outputs[0].token_ids for o in other] == [o.outputs[0].token_ids for o in continuous]

@@ -18,6 +18,7 @@ from kvloom.engine.sampling import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transformers 16x32 steps
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
+KV = 1 << 28  # the 16 prompts and their outputs (2,300 tokens) fit twice over in float32; the 2 GiB default takes seconds to fault in
 
 @pytest.fixture(scope="module")
 def expected(smollm2_dir, smollm2_prompts, greedy_reference):
@@ -31,7 +32,8 @@ def cut(smollm2_4_layers_dir, smollm2_prompts, greedy_reference):
 
 
 def make_engine(model_dir, **knobs) -> LLMEngine:
-    return LLMEngine(**{"dtype": "float32", "model": str(model_dir), "max_model_len": 1024, **knobs})
+    return LLMEngine(**{"dtype": "float32", "model": str(model_dir), "max_model_len": 1024, "kv_cache_memory_bytes": KV,
+                        **knobs})
 
 
 def tokens(outputs):
