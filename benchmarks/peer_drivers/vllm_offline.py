@@ -6,6 +6,8 @@ document: wall time of `generate`, every request's generated token ids and, from
 stats, when its first and last tokens came (engine-core monotonic clock, the same as this process's), and
 vLLM's speculative-decoding counters when `--speculative-config` (vLLM's JSON) is given. With `--lora` (JSON:
 adapters by name, max_loras, max_cpu_loras, max_lora_rank) each request runs under the adapter its `lora` names.
+`--compilation-config` (vLLM's JSON, e.g. '{"mode": 0}') overrides the CPU platform's default compilation, for
+checking which level is vLLM's best on a host (docs/performance.md, session 52).
     python vllm_offline.py WORKLOAD.jsonl MODEL_DIR OUT.json --dtype bfloat16 --max-num-seqs 64 ...
 
 `add_engine_arguments` and `engine` are the engine settings every vLLM driver here shares (vllm_multiturn.py).
@@ -59,6 +61,7 @@ def main() -> None:
     add_engine_arguments(parser)
     parser.add_argument("--speculative-config", type=json.loads, default=None)
     parser.add_argument("--lora", type=json.loads, default=None)
+    parser.add_argument("--compilation-config", type=json.loads, default=None)
     args = parser.parse_args()
 
     from vllm import SamplingParams
@@ -74,7 +77,8 @@ def main() -> None:
     adapters = [LoRARequest(r["lora"], ids[r["lora"]], lora["adapters"][r["lora"]]) if r.get("lora") else None
                 for r in requests]
     load_start = time.perf_counter()
-    llm = engine(args, speculative_config=args.speculative_config, **lora_knobs)
+    compilation = {"compilation_config": args.compilation_config} if args.compilation_config else {}
+    llm = engine(args, speculative_config=args.speculative_config, **lora_knobs, **compilation)
     load_s = time.perf_counter() - load_start
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
