@@ -18,7 +18,7 @@ from kvloom.engine.sampling import SamplingParams
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # setup runs transformers 16x32 steps
 MAX_NEW = 32
 GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0)
-KV = 1 << 28  # the 16 prompts and their outputs (2,300 tokens) fit twice over in float32; the 2 GiB default takes seconds to fault in
+KV = 1 << 28  # 5,800 float32 tokens: the 16 prompts and outputs take 2,300; the 2 GiB default takes seconds to start
 
 @pytest.fixture(scope="module")
 def expected(smollm2_dir, smollm2_prompts, greedy_reference):
