@@ -122,8 +122,8 @@ class EngineConfig(BaseModel):
     model_impl: Literal["auto", "kvloom", "transformers"] = "auto"
     # vLLM's key. gguf: a GGUF model's linears run as the file stores them (Q4_0, Q4_1, Q8_0: kvloom's quantized
     # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); gguf-int8: as gguf, and on CPUs with
-    # AVX512-VNNI a linear's bfloat16 activations of 16 rows or more are quantized to int8 a block of 32 at a time
-    # (llama.cpp's way): faster prefill and large batches, less exact; fp8: any checkpoint's layer linears quantized
+    # AVX512-VNNI a linear's bfloat16 activations are quantized to int8 a block of 32 at a time at every batch size
+    # (llama.cpp's way): faster decode, prefill and large batches, less exact; fp8: any checkpoint's layer linears quantized
     # at load to float8 with a scale an output, activations a scale a row on each call (kernels/fp8_linear.py: FP8
     # tensor cores on Ada and Hopper GPUs); compressed-tensors, awq, gptq: a checkpoint llm-compressor (W4A16, W8A16,
     # W8A8 integers), AutoAWQ or AutoGPTQ/GPTQModel wrote, run as stored by the same GEMM

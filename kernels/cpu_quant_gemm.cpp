@@ -26,12 +26,10 @@
 // so from DEQUANTIZE_ROWS rows of bfloat16 x (AVX512-BF16) the tiles are de-quantized to bfloat16 in cache and run
 // by kvloom's blocked GEMM kernel (run_dequantized): the de-quantized model's weights and arithmetic, bit for bit.
 //
-// Asked for (`quantization: gguf-int8`), calls of INT8_ROWS rows or more of bfloat16 x on CPUs with AVX512-VNNI run
-// in int8 instead (int8_rows, below): the per-block scaling above costs a conversion and two FMAs per row and block
-// on top of 16 VDPBF16PS, so from ~12 rows the de-quantized model's bfloat16 GEMM is faster, where VPDPBUSD takes a
-// block's 32 inputs by 16 outputs in 8 instructions. x is then quantized a block at a time (llama.cpp's way), which
-// costs accuracy (docs/performance.md, session 46), and a row's result depends on whether its call had INT8_ROWS
-// rows, never on which rows besides.
+// Asked for (`quantization: gguf-int8`, W8A8 checkpoints), on CPUs with AVX512-VNNI, tiles are packed in a layout of
+// their own and every call runs in int8 (int8_rows, below): x quantized a block at a time (llama.cpp's way), which
+// costs accuracy (docs/performance.md, session 46), and VPDPBUSD takes a block's 32 inputs by 16 outputs in 8
+// instructions, where the exact kernel's per-block scaling and unpacking cost more than its 16 VDPBF16PS.
 //
 // Built for this CPU (-march=native), and by tests for the instruction sets below it (cpu_extensions.ISA_VARIANTS:
 // ops suffixed _avx512, _avx2, _generic), so each of its paths is tested where the host runs it.
@@ -65,7 +63,6 @@ constexpr int64_t TILE_N = 16;   // outputs per tile
 constexpr int64_t BLOCK_K = 32;  // weights per GGUF block
 constexpr int64_t SERIAL_PREP = 1 << 15;  // x elements prepared on the calling thread (waking the team costs more)
 constexpr int64_t MAX_ITEM_TILES = 32;    // tiles per work item at most (a few hundred KB of weights)
-constexpr int64_t INT8_ROWS = 16;         // from this many rows bfloat16 x runs in int8 where VNNI is (int8_rows)
 constexpr int64_t DEQUANTIZE_ROWS = 32;   // from this many, bfloat16 x meets de-quantized tiles (run_dequantized)
 
 // The weight stream 4 KB ahead into L2 (an item's tiles are contiguous; prefetches never fault), on a tile's first
@@ -328,16 +325,23 @@ __attribute__((always_inline)) inline Sums<__m512, R, 1> pair_blocks(const uint3
   return acc;
 }
 
-template <typename Format, int R>
-void pair_rows(const uint32_t* x, int64_t K, const float* xsum, const uint8_t* tile, bool first, float* out) {
-  constexpr int BB = blocks_for(R, PAIR_CHAINS);
-  const int64_t B = K / BLOCK_K;
+// R rows' sums (16 outputs a vector) over a tile's B blocks, BB at a time, then one at a time: blocks(b, the count
+// as an integral_constant, acc) adds blocks b.. to acc -> out[R][16]
+template <int R, int BB, typename Blocks>
+__attribute__((always_inline)) inline void vector_rows(int64_t B, Blocks&& blocks, float* out) {
   Sums<__m512, R, 1> acc;
   for (auto& row : acc) row.fill(_mm512_setzero_ps());
   int64_t b = 0;
-  for (; b + BB <= B; b += BB) acc = pair_blocks<Format, R, BB>(x, K, xsum, tile, b, first, acc);
-  for (; b < B; ++b) acc = pair_blocks<Format, R, 1>(x, K, xsum, tile, b, first, acc);
+  for (; b + BB <= B; b += BB) acc = blocks(b, std::integral_constant<int, BB>{}, acc);
+  for (; b < B; ++b) acc = blocks(b, std::integral_constant<int, 1>{}, acc);
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE_N, acc[r][0]);
+}
+
+template <typename Format, int R>
+void pair_rows(const uint32_t* x, int64_t K, const float* xsum, const uint8_t* tile, bool first, float* out) {
+  vector_rows<R, blocks_for(R, PAIR_CHAINS)>(K / BLOCK_K, [&](int64_t b, auto bb, Sums<__m512, R, 1> acc) {
+    return pair_blocks<Format, R, decltype(bb)::value>(x, K, xsum, tile, b, first, acc);
+  }, out);
 }
 #else
 constexpr bool BF16_PAIRS = false;
@@ -363,142 +367,137 @@ constexpr RowsTable<uint32_t, sizeof...(Rs)> pair_rows_table(std::integer_sequen
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr bool INT8_DOTS = true;
-// Many rows of bfloat16 x (INT8_ROWS or more) with VNNI: x quantized a block of 32 at a time to int8 (scale
-// max|x|/127, rounded to nearest), the weights' own 4- or 8-bit integers multiplied with it by VPDPBUSD (64
-// multiply-adds an instruction, int32 sums) and a block's sum scaled once: y += d * dx * S (+ m * X, X the block's
-// exact sum of x). A tile's blocks are unpacked once a work item into the VPDPBUSD operand (a 32-bit lane holds one
-// output's weights at 4 inputs) beside their scales, which its row blocks share:
-//   per block [8 weight vectors][d][Q4: m | Q8: 128 * the weights' sums], 64 bytes each.
-// x's quads follow the weights' order: Q4 chunk c holds inputs (2c, 2c+1, 2c+16, 2c+17); Q8 quad i inputs 4i..4i+3,
-// as unsigned x + 128 (VPDPBUSD's unsigned operand; the weights, signed, are the other), so S = sum - 128 * sum(w).
-constexpr int64_t UNPACKED_BLOCK = 10;     // vectors an unpacked block
-constexpr int TERNARY_OR_AND = 0xA8;       // (a | b) & c
-constexpr int64_t GROUP = Lanes::R_MAX;    // rows a register block: x's quads and facts are laid out by groups of them
+// Int8 activations (asked for: `quantization: gguf-int8`, W8A8 checkpoints) on CPUs with VNNI, at any row count: x
+// quantized a block of 32 at a time to int8 (step dx = max|x|/127, rounded to nearest: llama.cpp's way), multiplied
+// with the weights' own integers by VPDPBUSD (64 multiply-adds an instruction, exact int32 sums), each block's sum S
+// scaled once: y += d * dx * S (+ m * X, X the block's exact sum of x).
+// Such tiles have a layout of their own (quantized_linear.pack(int8=True)): the same bytes a tile, arranged as
+// VPDPBUSD's unsigned operand, so a 64-byte load is 16 outputs (32-bit lanes) by 4 inputs a byte:
+//   Q4, 320 bytes: d[16] f16, m[16] f16, then 4 vectors of 64 bytes: vector v's lane j, byte b holds output j's q at
+//      input 4v+b in its low nibble and at input 16+4v+b in its high one.
+//   Q8, 544 bytes: d[16] f16, then 8 vectors: vector v's lane j, byte b holds output j's q at input 4v+b, plus 128
+//      (unsigned), so S = that sum - 128 * the sum of the block's int8 x.
+// A Q4 block is then 8 ANDs and 8 VPDPBUSD for 16 outputs, against the exact kernel's 16 VDPBF16PS and 40
+// operations unpacking their operands: at batch 1 it reads the weights about as fast as memory gives them.
+// A row's result depends on its own x alone (its int32 sums are exact, its blocks join in order), never on which
+// rows it is batched with.
+constexpr int64_t GROUP = Lanes::R_MAX;  // rows a register block: x's quads and facts are laid out by groups of them
+constexpr int INT8_CHAINS = 2;           // sums a row and block (Q4: of the low nibbles and of the high ones, x16)
 
-inline uint32_t bytes(int a, int b, int c, int d) {
-  return static_cast<uint8_t>(a) | static_cast<uint8_t>(b) << 8 | static_cast<uint8_t>(c) << 16 |
-         static_cast<uint32_t>(static_cast<uint8_t>(d)) << 24;
-}
-
-struct Int8Q4 {
-  static constexpr int64_t TILE = Q4::TILE;
-  static void unpack(const uint8_t* block, __m512i* out) {
-    for (int c = 0; c < 8; ++c) {  // a word's nibbles -> bytes (2c, 2c+1, 2c+16, 2c+17): (w | w << 12) & 0x0F0F0F0F
-      const __m512i w = Lanes::words(block + 64 + 32 * c);
-      out[c] = _mm512_ternarylogic_epi32(_mm512_slli_epi32(w, 12), w, _mm512_set1_epi32(0x0F0F0F0F), TERNARY_OR_AND);
-    }
-    out[8] = _mm512_castps_si512(Lanes::halves(block));
-    out[9] = _mm512_castps_si512(Lanes::halves(block + 32));
-  }
-  static __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {  // x broadcast from memory in the dot
-    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(weights), "m"(*x));
-    return sum;
-  }
-  static uint32_t quad(const int8_t* q, int c) { return bytes(q[2 * c], q[2 * c + 1], q[2 * c + 16], q[2 * c + 17]); }
+// a block's weight vectors: the 64-byte loads and the quads of x each meets
+template <bool Q4_BLOCKS>
+struct Int8Blocks {
+  static constexpr int64_t TILE = Q4_BLOCKS ? Q4::TILE : Q8::TILE, WEIGHTS = Q4_BLOCKS ? 64 : 32;
+  static constexpr int VECTORS = Q4_BLOCKS ? 4 : 8;
 };
 
-struct Int8Q8 {
-  static constexpr int64_t TILE = Q8::TILE;
-  static void unpack(const uint8_t* block, __m512i* out) {
-    static const __m512i interleave = [] {  // words of chunks 2i, 2i+1 -> a lane per output: inputs 4i..4i+3
-      alignas(64) int16_t index[32];
-      for (int j = 0; j < 16; ++j) {
-        index[2 * j] = static_cast<int16_t>(j);
-        index[2 * j + 1] = static_cast<int16_t>(16 + j);
+inline __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {  // x's 4 int8 broadcast from memory
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(sum) : "v"(weights), "m"(*x));
+  return sum;
+}
+
+// R rows of a group's quads and facts (quantize_x) against BB blocks of a tile from block b; sums join acc in order.
+template <bool Q4_BLOCKS, int R, int BB>
+__attribute__((always_inline)) inline Sums<__m512, R, 1> int8_blocks(const uint32_t* x, const float* facts,
+                                                                      const uint8_t* tile, int64_t b, bool first,
+                                                                      Sums<__m512, R, 1> acc) {
+  using Format = Int8Blocks<Q4_BLOCKS>;
+  const uint8_t* blocks = tile + b * Format::TILE;
+  if (first) for (int k = 0; k < BB; ++k) prefetch(blocks + k * Format::TILE);
+  std::array<__m512i, INT8_CHAINS> s[R][BB];
+  for (auto& row : s) for (auto& chains : row) chains.fill(_mm512_setzero_si512());
+  const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+#pragma GCC unroll 4
+  for (int k = 0; k < BB; ++k) {
+    const uint8_t* weights = blocks + k * Format::TILE + Format::WEIGHTS;
+    const uint32_t* quads = x + (b + k) * 8 * GROUP;
+#pragma GCC unroll 8
+    for (int v = 0; v < Format::VECTORS; ++v) {
+      const __m512i w = _mm512_loadu_si512(weights + 64 * v);
+      if constexpr (Q4_BLOCKS) {
+        const __m512i w_low = _mm512_and_si512(w, low), w_high = _mm512_and_si512(w, high);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          s[r][k][0] = dot(s[r][k][0], w_low, quads + v * GROUP + r);
+          s[r][k][1] = dot(s[r][k][1], w_high, quads + (4 + v) * GROUP + r);
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) s[r][k][v % 2] = dot(s[r][k][v % 2], w, quads + v * GROUP + r);
       }
-      return _mm512_load_si512(index);
-    }();
-    __m512i sums = _mm512_setzero_si512();
-    for (int i = 0; i < 8; ++i) {
-      out[i] = _mm512_permutexvar_epi16(interleave, _mm512_loadu_si512(block + 32 + 64 * i));
-      sums = _mm512_dpbusd_epi32(sums, _mm512_set1_epi8(1), out[i]);
     }
-    out[8] = _mm512_castps_si512(Lanes::halves(block));
-    out[9] = _mm512_slli_epi32(sums, 7);
   }
-  // x is VPDPBUSD's unsigned operand here, which cannot be a broadcast from memory: a broadcast of its own
-  static __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {
-    return _mm512_dpbusd_epi32(sum, _mm512_set1_epi32(static_cast<int>(*x)), weights);
-  }
-  static uint32_t quad(const int8_t* q, int i) {
-    return bytes(q[4 * i] + 128, q[4 * i + 1] + 128, q[4 * i + 2] + 128, q[4 * i + 3] + 128);
-  }
-};
-
-template <typename Format>
-void unpack_int8_tile(const uint8_t* tile, int64_t B, void* unpacked) {
-  auto* out = static_cast<__m512i*>(unpacked);
-  for (int64_t b = 0; b < B; ++b) Format::unpack(tile + b * Format::TILE, out + UNPACKED_BLOCK * b);
-}
-
-// R rows of a group's x quads and facts (quantize_x) against a tile unpacked -> out[R][16].
-template <typename Format, int R>
-void int8_rows(const uint32_t* x, int64_t K, const float* facts, const uint8_t* unpacked, bool, float* out) {
-  const int64_t B = K / BLOCK_K;
-  const auto* blocks = reinterpret_cast<const __m512i*>(unpacked);
-  std::array<__m512, R> acc;
-  acc.fill(_mm512_setzero_ps());
-  for (int64_t b = 0; b < B; ++b) {
-    const __m512i* block = blocks + UNPACKED_BLOCK * b;
-    std::array<__m512i, R> s;
-    s.fill(_mm512_setzero_si512());
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c)
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) s[r] = Format::dot(s[r], block[c], x + (8 * b + c) * GROUP + r);
-    const __m512 d = _mm512_castsi512_ps(block[8]);
+  for (int k = 0; k < BB; ++k) {
+    const uint8_t* block = blocks + k * Format::TILE;
+    const __m512 d = Lanes::halves(block);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float* f = facts + (GROUP * b + r) * 2;
+      const float* f = facts + ((b + k) * GROUP + r) * 2;  // dx, and Q4: X, Q8: -128 * the block's sum of int8 x
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(f[0]));
-      if constexpr (std::is_same_v<Format, Int8Q4>) {
-        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(s[r]), acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_castsi512_ps(block[9]), _mm512_set1_ps(f[1]), acc[r]);
-      } else {
-        acc[r] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(_mm512_sub_epi32(s[r], block[9])), acc[r]);
+      if constexpr (Q4_BLOCKS) {  // the high nibbles' sum is 16 times theirs, exactly
+        const __m512i sum = _mm512_add_epi32(s[r][k][0], _mm512_srai_epi32(s[r][k][1], 4));
+        acc[r][0] = _mm512_fmadd_ps(scale, _mm512_cvtepi32_ps(sum), acc[r][0]);
+        acc[r][0] = _mm512_fmadd_ps(Lanes::halves(block + 32), _mm512_set1_ps(f[1]), acc[r][0]);
+      } else {  // |S| < 2^24: exact in float32, and so is the correction's sum
+        const __m512 sum = _mm512_add_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r][k][0], s[r][k][1])),
+                                         _mm512_set1_ps(f[1]));
+        acc[r][0] = _mm512_fmadd_ps(scale, sum, acc[r][0]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * TILE_N, acc[r]);
+  return acc;
 }
 
-template <typename Format, int... Rs>
+template <bool Q4_BLOCKS, int R>
+void int8_rows(const uint32_t* x, int64_t K, const float* facts, const uint8_t* tile, bool first, float* out) {
+  vector_rows<R, blocks_for(R, INT8_CHAINS)>(K / BLOCK_K, [&](int64_t b, auto bb, Sums<__m512, R, 1> acc) {
+    return int8_blocks<Q4_BLOCKS, R, decltype(bb)::value>(x, facts, tile, b, first, acc);
+  }, out);
+}
+
+template <bool Q4_BLOCKS, int... Rs>
 constexpr RowsTable<uint32_t, sizeof...(Rs)> int8_rows_table(std::integer_sequence<int, Rs...>) {
-  return {int8_rows<Format, Rs + 1>...};
+  return {int8_rows<Q4_BLOCKS, Rs + 1>...};
 }
 
-// x [M, K] bfloat16 -> quads in `Format`'s order and facts, each block's scale dx and sum X, by groups of GROUP rows
-// (a group's rows side by side: [groups][K/32 blocks][8 quads][GROUP rows], [groups][K/32][GROUP][2]), so that a
-// register block reads one stream of each; M rounded up to a whole group.
-template <typename Format>
-void quantize_x(const at::BFloat16* x, int64_t M, int64_t K, uint32_t* quads, float* facts) {
+// x [M, K] -> its int8 quads (input order, 4 a word) and facts (dx, and Q4: the block's sum of x, Q8: -128 * the sum
+// of its int8), by groups of GROUP rows side by side ([groups][K/32][8 quads][GROUP rows], [groups][K/32][GROUP][2]),
+// so that a register block reads one stream of each; M rounded up to a whole group.
+template <typename In>
+void quantize_x(const In* x, int64_t M, int64_t K, bool q4, uint32_t* quads, float* facts) {
   const int64_t B = K / BLOCK_K;
   parallel_chunks(0, M * B, SERIAL_PREP / BLOCK_K, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / B, r = row % GROUP, slot = row / GROUP * B + i % B;  // its group's block
       float v[BLOCK_K], amax = 0.f, sum = 0.f;
       for (int64_t k = 0; k < BLOCK_K; ++k) {
-        v[k] = static_cast<float>(x[i * BLOCK_K + k]);
+        v[k] = widen(x[i * BLOCK_K + k]);
         amax = std::max(amax, std::abs(v[k]));
         sum += v[k];
       }
       const float inverse = amax > 0.f ? 127.f / amax : 0.f;
       int8_t q[BLOCK_K];
-      for (int64_t k = 0; k < BLOCK_K; ++k) q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inverse));
-      for (int c = 0; c < 8; ++c) quads[(slot * 8 + c) * GROUP + r] = Format::quad(q, c);
+      int q_sum = 0;
+      for (int64_t k = 0; k < BLOCK_K; ++k) {
+        q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inverse));
+        q_sum += q[k];
+      }
+      for (int c = 0; c < 8; ++c) {
+        uint32_t quad;
+        std::memcpy(&quad, q + 4 * c, 4);
+        quads[(slot * 8 + c) * GROUP + r] = quad;
+      }
       facts[2 * (slot * GROUP + r)] = amax / 127.f;
-      facts[2 * (slot * GROUP + r) + 1] = sum;
+      facts[2 * (slot * GROUP + r) + 1] = q4 ? sum : -128.f * static_cast<float>(q_sum);
     }
   });
 }
+
 #else
 constexpr bool INT8_DOTS = false;
 #endif
 
-// Unpacks a tile's K/32 blocks into the weights its row functions read (a thread's scratch, 64-byte aligned).
-using UnpackFn = void (*)(const uint8_t* tile, int64_t B, void* unpacked);
-
-// A thread's scratch for unpacked tiles: 64-byte aligned, kept from call to call, grown when short.
+// A thread's scratch for de-quantized tiles: 64-byte aligned, kept from call to call, grown when short.
 inline void* scratch(int64_t bytes) {
   static thread_local std::unique_ptr<void, decltype(&std::free)> data{nullptr, &std::free};
   static thread_local int64_t size = 0;
@@ -511,13 +510,12 @@ inline void* scratch(int64_t bytes) {
 
 // x [M, K] (row stride x_stride in X; xsum_stride floats of xsum a row) against the tiles -> y [M, N] (+ bias),
 // rows in groups of 4 R_MAX, each work item a row group by adjacent tiles (row groups outer: a group's x stays in L2;
-// tiles outer within an item: a tile's weights stay in L1 over its row blocks). With `unpack`, each tile is unpacked
-// once an item (unpacked_bytes), the row functions read that, and groups are of 8 R_MAX (the unpacking shared wider).
+// tiles outer within an item: a tile's weights stay in L1 over its row blocks).
 template <typename X, size_t R_MAX, typename Out>
 void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, int64_t M, int64_t K,
                const float* xsum, int64_t xsum_stride, const uint8_t* tiles, int64_t tile_bytes, const float* bias,
-               Out* y, int64_t N, UnpackFn unpack = nullptr, int64_t unpacked_bytes = 0) {
-  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = (unpack ? 8 : 4) * int64_t{R_MAX};
+               Out* y, int64_t N) {
+  const int64_t T = (N + TILE_N - 1) / TILE_N, B = K / BLOCK_K, item_rows = 4 * int64_t{R_MAX};
   const int64_t row_groups = (M + item_rows - 1) / item_rows, threads = deal_threads();
   // about 2 items a thread: long contiguous streams for the hardware prefetcher (SmolLM2's 576x576 Q4_1 GEMV from
   // memory, 2 threads: 13-15 us against 22-24 with 8 items a thread), one left to share if a thread is preempted
@@ -527,14 +525,9 @@ void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, in
     const int64_t m_begin = item / tile_groups * item_rows, m_end = std::min(M, m_begin + item_rows);
     const int64_t t_begin = item % tile_groups * per_item, t_end = std::min(T, t_begin + per_item);
     float out[R_MAX * TILE_N];
-    void* unpacked = unpack ? scratch(unpacked_bytes) : nullptr;
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t n = t * TILE_N, n_valid = std::min(TILE_N, N - n);
       const uint8_t* weights = tiles + t * B * tile_bytes;
-      if (unpack) {
-        unpack(weights, B, unpacked);
-        weights = static_cast<const uint8_t*>(unpacked);
-      }
       for (int64_t m = m_begin; m < m_end; m += R_MAX) {
         const int64_t r_count = std::min<int64_t>(R_MAX, m_end - m);
         rows[r_count - 1](x + m * x_stride, K, xsum ? xsum + m * xsum_stride : nullptr, weights, m == m_begin, out);
@@ -545,6 +538,23 @@ void run_tiles(const RowsTable<X, R_MAX>& rows, const X* x, int64_t x_stride, in
     }
   });
 }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// x [M, K] (float32 or bfloat16) in int8 against int8-layout tiles -> y [M, N] of x's dtype (+ bias)
+template <typename In>
+void run_int8(const In* x, int64_t M, int64_t K, const uint8_t* tiles, bool q4, const float* bias, In* y,
+              int64_t N, const at::TensorOptions& options) {
+  const int64_t B = K / BLOCK_K, rows = (M + GROUP - 1) / GROUP * GROUP;
+  at::Tensor quads = at::empty({rows, K / 4}, options.dtype(at::kInt));
+  at::Tensor facts = at::empty({rows, B, 2}, options.dtype(at::kFloat));
+  auto* qp = reinterpret_cast<uint32_t*>(quads.data_ptr<int32_t>());
+  float* fp = facts.data_ptr<float>();
+  static constexpr auto Q4_INT8 = int8_rows_table<true>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+  static constexpr auto Q8_INT8 = int8_rows_table<false>(std::make_integer_sequence<int, Lanes::R_MAX>{});
+  quantize_x(x, M, K, q4, qp, fp);
+  run_tiles(q4 ? Q4_INT8 : Q8_INT8, qp, K / 4, M, K, fp, 2 * B, tiles, q4 ? Q4::TILE : Q8::TILE, bias, y, N);
+}
+#endif
 
 // Per block of 32 inputs of x [M, K]: its sum (sums, if any) and x widened to float32 (widened, if any).
 template <typename In>
@@ -653,14 +663,14 @@ void run_dequantized(const uint32_t* x, int64_t M, int64_t K, const uint8_t* til
 
 // the code a call of `rows` rows runs
 std::string quant_linear_path(int64_t bits, at::ScalarType dtype, int64_t rows, bool int8) {
+  if (INT8_DOTS && int8) return "avx512vnni-int8";
   if (dtype != at::kBFloat16) return Lanes::ISA;
-  if (INT8_DOTS && int8 && rows >= INT8_ROWS) return "avx512vnni-int8";
   if (BF16_PAIRS && rows >= DEQUANTIZE_ROWS) return "avx512bf16-dequantized";
   return BF16_PAIRS ? "avx512bf16" : Lanes::ISA;
 }
 
 // x [M, K] float32 or bfloat16 times tiles [ceil(N/16), K/32, 320 (bits 4) or 544 (bits 8)] uint8 (+ bias [N]
-// float32) -> [M, N] of x's dtype; int8: bfloat16 x of INT8_ROWS rows or more may run in int8 (where VNNI is)
+// float32) -> [M, N] of x's dtype; int8: the tiles are in the int8 layout and x runs in int8 (where VNNI is)
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bits, int64_t N,
                         const std::optional<at::Tensor>& bias, bool int8) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 (Q4_1, Q4_0) or 8 (Q8_0)");
@@ -681,18 +691,9 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t bi
   const auto* x_bf16 = reinterpret_cast<const at::BFloat16*>(x.data_ptr());
   auto* y_bf16 = reinterpret_cast<at::BFloat16*>(y.data_ptr());
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (bf16 && int8 && M >= INT8_ROWS) {
-    const int64_t rows = (M + GROUP - 1) / GROUP * GROUP;
-    at::Tensor quads = at::empty({rows, K / 4}, x.options().dtype(at::kInt));
-    at::Tensor facts = at::empty({rows, B, 2}, x.options().dtype(at::kFloat));
-    auto* qp = reinterpret_cast<uint32_t*>(quads.data_ptr<int32_t>());
-    float* fp = facts.data_ptr<float>();
-    static constexpr auto Q4_INT8 = int8_rows_table<Int8Q4>(std::make_integer_sequence<int, Lanes::R_MAX>{});
-    static constexpr auto Q8_INT8 = int8_rows_table<Int8Q8>(std::make_integer_sequence<int, Lanes::R_MAX>{});
-    if (q4) quantize_x<Int8Q4>(x_bf16, M, K, qp, fp);
-    else quantize_x<Int8Q8>(x_bf16, M, K, qp, fp);
-    run_tiles(q4 ? Q4_INT8 : Q8_INT8, qp, K / 4, M, K, fp, 2 * B, tp, tile_bytes, bp, y_bf16, N,
-              q4 ? unpack_int8_tile<Int8Q4> : unpack_int8_tile<Int8Q8>, B * UNPACKED_BLOCK * 64);
+  if (int8) {  // int8-layout tiles: pack() makes them only where this build runs them (quant_linear_path)
+    if (bf16) run_int8(x_bf16, M, K, tp, q4, bp, y_bf16, N, x.options());
+    else run_int8(x.data_ptr<float>(), M, K, tp, q4, bp, y.data_ptr<float>(), N, x.options());
     return y;
   }
 #endif

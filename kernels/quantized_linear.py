@@ -32,9 +32,18 @@ def quant_kernel(variant: str | None = None):
     return build_extension("kvloom_cpu_quant", variant)
 
 
-def pack(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:
+def int8_dots(variant: str | None = None) -> bool:
+    """Whether the kernel build runs int8 activations (VNNI): only there are tiles packed in its int8 layout."""
+    ops = quant_kernel(variant)
+    if ops is None:
+        return False
+    path = getattr(ops, f"quant_linear_path_{variant}" if variant else "quant_linear_path")
+    return path(4, torch.bfloat16, 1, True) == "avx512vnni-int8"
+
+
+def pack(blocks: torch.Tensor, qtype: QuantType, int8: bool = False) -> torch.Tensor:
     """GGUF blocks [N, K/32 * block bytes] -> tiles [ceil(N/16), K/32, 320 (Q4_1, Q4_0) or 544 (Q8_0)] uint8,
-    cpu_quant_gemm.cpp's layout; N padded with zero weights."""
+    cpu_quant_gemm.cpp's layout (`int8`: its int8 kernel's); N padded with zero weights."""
     d, m, q = fields(blocks, qtype)
     pad = -d.shape[0] % TILE_OUTPUTS
 
@@ -45,14 +54,16 @@ def pack(blocks: torch.Tensor, qtype: QuantType) -> torch.Tensor:
     def scale_bytes(scale: torch.Tensor) -> torch.Tensor:  # [N, B] float16 -> [T, B, 32] (16 outputs' scales)
         return tiled(scale).transpose(1, 2).contiguous().view(torch.uint8)
 
-    def chunks(t: torch.Tensor) -> torch.Tensor:  # [T, j, B, 2c+e] -> [T, B, 32c + 2j + e]: chunk c, byte 2j+e
-        return t.unflatten(-1, (-1, 2)).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).flatten(2)
+    def chunks(t: torch.Tensor, width: int) -> torch.Tensor:  # [T, j, B, width c + i] -> [T, B, chunk c: j, i]
+        return t.unflatten(-1, (-1, width)).permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8).flatten(2)
 
     q = tiled(q)  # [T, 16 outputs j, B, 32 inputs]
-    if qtype is QuantType.Q8_0:  # 16 chunks p: byte 2j+e = output j's input 2p+e
-        return torch.cat([scale_bytes(d), chunks(q)], dim=-1)
-    # 8 chunks c: byte 2j+e = output j's input 2c+e (low nibble) | input 2c+16+e (high nibble)
-    return torch.cat([scale_bytes(d), scale_bytes(m), chunks(q[..., :16] | q[..., 16:] << 4)], dim=-1)
+    if qtype is QuantType.Q8_0:  # chunk p: output j's inputs 2p+e (byte 2j+e); int8: 4p+b, plus 128 (byte 4j+b)
+        weights = chunks((q.to(torch.int16) + 128).to(torch.uint8), 4) if int8 else chunks(q, 2)
+        return torch.cat([scale_bytes(d), weights], dim=-1)
+    # chunk c: output j's input 2c+e in the low nibble, 2c+16+e in the high (byte 2j+e); int8: 4c+b (byte 4j+b)
+    return torch.cat([scale_bytes(d), scale_bytes(m), chunks(q[..., :16] | q[..., 16:] << 4, 4 if int8 else 2)],
+                     dim=-1)
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ class QuantizedLinear:
     layout: Layout
     out_features: int
     variant: str | None = None  # the kernel build that runs it: this CPU's own, or an ISA variant (tests)
-    int8: bool = False  # bfloat16 x of many rows may run in int8 (CPU kernel, where VNNI is: cpu_quant_gemm.cpp)
+    int8: bool = False  # tiles in the int8 kernel's layout: x runs in int8 (CPU kernel, where VNNI is)
 
     @property
     def packed(self) -> bool:
@@ -79,7 +90,7 @@ class QuantizedLinear:
              ) -> "QuantizedLinear":
         """From a tensor's GGUF blocks [N, K/32 * block bytes] on the host, for activations of `dtype` on `device`:
         on CUDA the blocks' fields for the Triton kernel; on CPU packed tiles where kvloom's kernel runs (`int8`:
-        bfloat16 activations of 16 rows or more quantized to int8 where the CPU has VNNI); elsewhere the weight
+        bfloat16 activations quantized to int8 where the build has VNNI, exact elsewhere); elsewhere the weight
         dequantized to `dtype` on `device` (done once here)."""
         if device.type == "cuda":
             return cls.for_triton(blocks, qtype, bias, device)
@@ -87,7 +98,8 @@ class QuantizedLinear:
             bias = None if bias is None else bias.detach().to(device, dtype)
             return cls(dequantize(blocks, qtype, dtype).to(device), bias, qtype, Layout.DENSE, blocks.shape[0])
         bias = None if bias is None else bias.detach().float().contiguous()
-        return cls(pack(blocks, qtype), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant, int8)
+        int8 = int8 and dtype == torch.bfloat16 and int8_dots(variant)
+        return cls(pack(blocks, qtype, int8), bias, qtype, Layout.QUANTIZED, blocks.shape[0], variant, int8)
 
     @classmethod
     def for_triton(cls, blocks: torch.Tensor, qtype: QuantType, bias: torch.Tensor | None, device: torch.device

@@ -134,30 +134,33 @@ def test_many_bfloat16_rows_compute_what_the_dequantized_models_gemm_does_bit_fo
 
 @pytest.mark.host("avx512-vnni")
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [16, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64])
 @pytest.mark.parametrize("outputs,inputs,with_bias", [(40, 96, False), (200, 1536, True)])
-def test_int8_activations_stay_within_their_own_rounding(qtype, rows, outputs, inputs, with_bias):
-    """`quantization: gguf-int8`: from 16 rows bfloat16 x is quantized to int8 a block of 32 at a time (a step of
-    max|x|/127) and multiplied with the file's integers by VPDPBUSD. Against dequantize-then-matmul in float64, the
-    error stays within each block's rounding (half a step times the block's sum |w|), the float32 sums' and the
-    result's rounding to bfloat16; fewer rows run the exact path."""
+def test_int8_activations_stay_within_their_own_rounding(qtype, dtype, rows, outputs, inputs, with_bias):
+    """`quantization: gguf-int8`: a bfloat16 linear's tiles take the int8 kernel's own layout, and x (of either
+    dtype) is quantized to int8 a block of 32 at a time (a step of max|x|/127) and multiplied with the file's
+    integers by VPDPBUSD, at every row count. Against dequantize-then-matmul in float64, the error stays within each
+    block's rounding (half a step times the block's sum |w|), the float32 sums' and, for bfloat16 x, the result's
+    rounding to bfloat16. A float32 linear stays exact."""
     torch.manual_seed(rows)
     blocks = gguf_blocks(torch.randn(outputs, inputs) * 0.1, qtype)
     bias = torch.randn(outputs) if with_bias else None
     linear = QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias, int8=True)
-    assert path(None, qtype, torch.bfloat16, rows, int8=True) == "avx512vnni-int8"
-    x = torch.randn(rows, inputs).bfloat16()
-    out = linear(x).double()
+    assert linear.int8 and path(None, qtype, dtype, rows, int8=True) == "avx512vnni-int8"
+    assert not QuantizedLinear.pack(blocks, qtype, torch.float32, bias, int8=True).int8
+    x = torch.randn(rows, inputs).to(dtype)
+    out = linear(x)
+    assert out.dtype == dtype and out.shape == (rows, outputs)
     weight = dequantize(blocks, qtype, torch.float64)
     expected = x.double() @ weight.T + (0 if bias is None else bias.double())
     bound = x.double().abs() @ weight.abs().T + (0 if bias is None else bias.double().abs())
     step = x.double().unflatten(1, (-1, 32)).abs().amax(-1) / 127  # [rows, blocks]
     rounding = 0.5 * step @ weight.abs().unflatten(1, (-1, 32)).sum(-1).T
-    error = (out - expected).abs()
-    assert (error <= 1e-5 * bound + rounding + 2 ** -8 * expected.abs()).all()
-    assert not torch.equal(out, QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias)(x).double())  # int8 ran
-    few = x[:15]
-    assert torch.equal(linear(few), QuantizedLinear.pack(blocks, qtype, torch.bfloat16, bias)(few))
+    result_rounding = 2 ** -8 * expected.abs() if dtype == torch.bfloat16 else 0
+    error = (out.double() - expected).abs()
+    assert (error <= 1e-5 * bound + rounding + result_rounding).all()
+    assert not torch.equal(out, QuantizedLinear.pack(blocks, qtype, dtype, bias)(x))  # int8 ran, not the exact path
 
 
 @pytest.mark.parametrize("variant", BUILDS)
@@ -166,14 +169,14 @@ def test_int8_activations_stay_within_their_own_rounding(qtype, rows, outputs, i
 def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(variant, qtype, dtype):
     """The same bits for a row alone, in 3 rows or in 17 or in 64 (each register block's size and the tiles it runs
     side by side change with the rows; each output's sum keeps its order): greedy text independent of the batch.
-    Calls of 32 rows or more of bfloat16 x on AVX512-BF16 (de-quantized tiles) and, with int8 activations (VNNI),
-    of 16 rows or more compute otherwise, and agree among themselves."""
+    Calls of 32 rows or more of bfloat16 x on AVX512-BF16 (de-quantized tiles) compute otherwise, and agree among
+    themselves; int8 activations (VNNI) give a row the same bits at every row count."""
     torch.manual_seed(0)
     blocks = gguf_blocks(torch.randn(200, 96), qtype)
     kernel(variant)
     x = torch.randn(64, 96).to(dtype)
     for int8 in (False, True):
-        linear = QuantizedLinear.pack(blocks, qtype, dtype, variant=variant, int8=int8)
+        linear = QuantizedLinear.pack(blocks, qtype, torch.bfloat16, variant=variant, int8=int8)
         batched = linear(x)
         for rows in (slice(5, 6), slice(9, 12), slice(0, 17), slice(20, 60)):
             alone = linear(x[rows])
@@ -185,7 +188,8 @@ def test_a_rows_result_does_not_depend_on_the_rows_batched_with_it(variant, qtyp
 def test_each_build_runs_the_path_of_its_instruction_set(variant):
     """A variant runs its own instruction set's code; the native build, the best this CPU has: VDPBF16PS on bfloat16
     pairs for bfloat16 activations where AVX512-BF16 is present (from 32 rows on tiles de-quantized to bfloat16),
-    and, int8 activations asked for, VPDPBUSD from 16 rows where VNNI is."""
+    and, int8 activations asked for, VPDPBUSD at every row count where VNNI is (elsewhere the tiles keep the exact
+    kernel's layout and it runs)."""
     isa = host_isa()
     best = variant or ("avx512" if isa.avx512 else "avx2" if "avx2" in isa.flags else "generic")
     pairs = variant is None and isa.avx512_bf16
@@ -194,9 +198,13 @@ def test_each_build_runs_the_path_of_its_instruction_set(variant):
         assert path(variant, qtype, torch.float32, 1) == path(variant, qtype, torch.float32, 64) == best
         assert path(variant, qtype, torch.bfloat16, 31) == ("avx512bf16" if pairs else best)
         assert path(variant, qtype, torch.bfloat16, 32) == ("avx512bf16-dequantized" if pairs else best)
-        assert path(variant, qtype, torch.bfloat16, 15, int8=True) == ("avx512bf16" if pairs else best)
-        assert path(variant, qtype, torch.bfloat16, 16, int8=True) == ("avx512vnni-int8" if int8 else
-                                                                      "avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.bfloat16, 1, int8=True) == ("avx512vnni-int8" if int8 else
+                                                                     "avx512bf16" if pairs else best)
+        assert path(variant, qtype, torch.float32, 64, int8=True) == ("avx512vnni-int8" if int8 else best)
+        blocks = gguf_blocks(torch.randn(40, 64), qtype)
+        linear = QuantizedLinear.pack(blocks, qtype, torch.bfloat16, variant=variant, int8=True)
+        assert linear.int8 == int8 and linear.int8 == quantized_linear.int8_dots(variant)
+        assert torch.equal(linear.weight, pack(blocks, qtype, int8))
 
 
 @pytest.mark.parametrize("flags,machine,expected", [
@@ -209,8 +217,8 @@ def test_the_builds_a_cpu_runs_are_decided_from_its_flags(monkeypatch, flags, ma
 
 @pytest.mark.parametrize("qtype", list(QuantType), ids=lambda q: q.name)
 def test_tiles_hold_the_files_bytes_and_no_kernel_means_dense(monkeypatch, qtype):
-    """Packed, a weight takes its file's bytes (Q4_0 gains a float16 min a block); without the kernel (no compiler)
-    it is dequantized once and runs dense, in the activations' dtype."""
+    """Packed, a weight takes its file's bytes (Q4_0 gains a float16 min a block), in the int8 kernel's layout too;
+    without the kernel (no compiler) it is dequantized once and runs dense, in the activations' dtype."""
     torch.manual_seed(0)
     blocks, x = gguf_blocks(torch.randn(48, 64), qtype), torch.randn(5, 64)
     kernel(None)
@@ -218,6 +226,7 @@ def test_tiles_hold_the_files_bytes_and_no_kernel_means_dense(monkeypatch, qtype
     assert packed.packed and packed.weight.dtype == torch.uint8
     assert packed.weight.numel() == blocks.numel() + (48 * 2 * 2 if qtype is QuantType.Q4_0 else 0)
     assert torch.equal(packed.weight, pack(blocks, qtype))
+    assert pack(blocks, qtype, int8=True).shape == packed.weight.shape
     monkeypatch.setattr(quantized_linear, "quant_kernel", lambda variant=None: None)
     dense = QuantizedLinear.pack(blocks, qtype, torch.bfloat16)
     assert dense.layout is Layout.DENSE and not dense.packed and dense.weight.dtype == torch.bfloat16

@@ -14,7 +14,7 @@ from kvloom.engine.errors import ConfigError
 from kvloom.engine.llm_engine import LLMEngine
 from kvloom.engine.sampling import SamplingParams
 from kvloom.kernels.packed_linear import Layout
-from kvloom.kernels.quantized_linear import QuantizedLinear, quant_kernel
+from kvloom.kernels.quantized_linear import QuantizedLinear, int8_dots, quant_kernel
 
 PROMPTS = [[5, 60, 71, 200, 33], [100 + i for i in range(40)], [7] * 19]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, logprobs=0, ignore_eos=True)
@@ -120,12 +120,13 @@ def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, meth
 
 
 def test_int8_activations_are_asked_for_by_name_and_reach_every_quantized_linear(tiny_gguf):
-    """`quantization: gguf-int8` sets every linear run as stored to take bfloat16 activations in int8 from 16 rows
-    (kernels: tests/test_quantized_linear.py); `gguf` leaves them exact. Both serve the same requests."""
+    """`quantization: gguf-int8` sets every linear run as stored to take bfloat16 activations in int8 where the CPU
+    has VNNI (kernels: tests/test_quantized_linear.py); `gguf` leaves them exact. Both serve the same requests."""
     model = tiny_gguf("llama")
     for quantization, int8 in (("gguf", False), ("gguf-int8", True)):
         engine = LLMEngine(model=model, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=POOL,
                            quantization=quantization)
         layer = engine.decoder.layers[0]
-        assert [linear.int8 for linear in (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)] == [int8] * 4
+        expected = int8 and int8_dots()
+        assert [linear.int8 for linear in (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)] == [expected] * 4
         assert [len(tokens) for tokens, _ in run(engine)] == [GREEDY.max_tokens] * len(PROMPTS)
