@@ -162,7 +162,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     q = report["quality"]
     lines += ["## Quality", "", "Q4_1 run as stored against the de-quantized engine in the same dtype (`bfloat16, "
-              "int8`: `quantization: gguf-int8`, prompts of 16 tokens or more with x in int8 on VNNI CPUs).", ""]
+              "int8`: `quantization: gguf-int8`, x in int8 at every batch size on VNNI CPUs).", ""]
     for dtype in QUALITY_RUNS:
         d, pp = q[dtype], q[dtype]["perplexity"]
         lines += [f"- {dtype}: greedy tokens equal on {d['equal_share']:.1%} of {q['prompts']} prompts x {q['tokens']} "

@@ -378,7 +378,8 @@ constexpr bool INT8_DOTS = true;
 //   Q8, 544 bytes: d[16] f16, then 8 vectors: vector v's lane j, byte b holds output j's q at input 4v+b, plus 128
 //      (unsigned), so S = that sum - 128 * the sum of the block's int8 x.
 // A Q4 block is then 8 ANDs and 8 VPDPBUSD for 16 outputs, against the exact kernel's 16 VDPBF16PS and 40
-// operations unpacking their operands: at batch 1 it reads the weights about as fast as memory gives them.
+// operations unpacking their operands (measured in docs/performance.md, session 53: faster from cache and from 4
+// rows on; a batch-1 call from memory waits on the memory either way).
 // A row's result depends on its own x alone (its int32 sums are exact, its blocks join in order), never on which
 // rows it is batched with.
 constexpr int64_t GROUP = Lanes::R_MAX;  // rows a register block: x's quads and facts are laid out by groups of them
@@ -396,7 +397,8 @@ inline __m512i dot(__m512i sum, __m512i weights, const uint32_t* x) {  // x's 4 
   return sum;
 }
 
-// R rows of a group's quads and facts (quantize_x) against BB blocks of a tile from block b; sums join acc in order.
+// A group of R rows' quads and facts (quantize_x: R is its width) against BB blocks of a tile from block b; sums join
+// acc in order.
 template <bool Q4_BLOCKS, int R, int BB>
 __attribute__((always_inline)) inline Sums<__m512, R, 1> int8_blocks(const uint32_t* x, const float* facts,
                                                                       const uint8_t* tile, int64_t b, bool first,
@@ -410,7 +412,7 @@ __attribute__((always_inline)) inline Sums<__m512, R, 1> int8_blocks(const uint3
 #pragma GCC unroll 4
   for (int k = 0; k < BB; ++k) {
     const uint8_t* weights = blocks + k * Format::TILE + Format::WEIGHTS;
-    const uint32_t* quads = x + (b + k) * 8 * GROUP;
+    const uint32_t* quads = x + (b + k) * 8 * R;
 #pragma GCC unroll 8
     for (int v = 0; v < Format::VECTORS; ++v) {
       const __m512i w = _mm512_loadu_si512(weights + 64 * v);
@@ -418,12 +420,12 @@ __attribute__((always_inline)) inline Sums<__m512, R, 1> int8_blocks(const uint3
         const __m512i w_low = _mm512_and_si512(w, low), w_high = _mm512_and_si512(w, high);
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          s[r][k][0] = dot(s[r][k][0], w_low, quads + v * GROUP + r);
-          s[r][k][1] = dot(s[r][k][1], w_high, quads + (4 + v) * GROUP + r);
+          s[r][k][0] = dot(s[r][k][0], w_low, quads + v * R + r);
+          s[r][k][1] = dot(s[r][k][1], w_high, quads + (4 + v) * R + r);
         }
       } else {
 #pragma GCC unroll 8
-        for (int r = 0; r < R; ++r) s[r][k][v % 2] = dot(s[r][k][v % 2], w, quads + v * GROUP + r);
+        for (int r = 0; r < R; ++r) s[r][k][v % 2] = dot(s[r][k][v % 2], w, quads + v * R + r);
       }
     }
   }
@@ -432,7 +434,7 @@ __attribute__((always_inline)) inline Sums<__m512, R, 1> int8_blocks(const uint3
     const __m512 d = Lanes::halves(block);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const float* f = facts + ((b + k) * GROUP + r) * 2;  // dx, and Q4: X, Q8: -128 * the block's sum of int8 x
+      const float* f = facts + ((b + k) * R + r) * 2;  // dx, and Q4: X, Q8: -128 * the block's sum of int8 x
       const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(f[0]));
       if constexpr (Q4_BLOCKS) {  // the high nibbles' sum is 16 times theirs, exactly
         const __m512i sum = _mm512_add_epi32(s[r][k][0], _mm512_srai_epi32(s[r][k][1], 4));
@@ -460,35 +462,38 @@ constexpr RowsTable<uint32_t, sizeof...(Rs)> int8_rows_table(std::integer_sequen
   return {int8_rows<Q4_BLOCKS, Rs + 1>...};
 }
 
+// 16 elements of x as float32
+inline __m512 sixteen(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 sixteen(const at::BFloat16* x) {
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // x [M, K] -> its int8 quads (input order, 4 a word) and facts (dx, and Q4: the block's sum of x, Q8: -128 * the sum
-// of its int8), by groups of GROUP rows side by side ([groups][K/32][8 quads][GROUP rows], [groups][K/32][GROUP][2]),
-// so that a register block reads one stream of each; M rounded up to a whole group.
+// of its int8), by groups of GROUP rows side by side, so that a register block (a group) reads one stream of each:
+// group g at quads + g * GROUP * K/4 and facts + g * GROUP * 2 * K/32, as [K/32][8 quads][w rows] and [K/32][w][2],
+// w its rows (GROUP but for the last): a lone row's quads are contiguous, the cache lines another thread reads of it.
 template <typename In>
 void quantize_x(const In* x, int64_t M, int64_t K, bool q4, uint32_t* quads, float* facts) {
   const int64_t B = K / BLOCK_K;
   parallel_chunks(0, M * B, SERIAL_PREP / BLOCK_K, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / B, r = row % GROUP, slot = row / GROUP * B + i % B;  // its group's block
-      float v[BLOCK_K], amax = 0.f, sum = 0.f;
-      for (int64_t k = 0; k < BLOCK_K; ++k) {
-        v[k] = widen(x[i * BLOCK_K + k]);
-        amax = std::max(amax, std::abs(v[k]));
-        sum += v[k];
-      }
-      const float inverse = amax > 0.f ? 127.f / amax : 0.f;
+      const int64_t row = i / B, group = row / GROUP, r = row % GROUP, w = std::min(GROUP, M - group * GROUP);
+      uint32_t* group_quads = quads + group * GROUP * B * 8 + (i % B) * 8 * w + r;
+      float* group_facts = facts + 2 * (group * GROUP * B + (i % B) * w + r);
+      const __m512 low = sixteen(x + i * BLOCK_K), high = sixteen(x + i * BLOCK_K + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+      const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      // to nearest, ties to even (the default rounding mode); |q| <= 127
+      const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+      const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
       int8_t q[BLOCK_K];
-      int q_sum = 0;
-      for (int64_t k = 0; k < BLOCK_K; ++k) {
-        q[k] = static_cast<int8_t>(std::nearbyint(v[k] * inverse));
-        q_sum += q[k];
-      }
-      for (int c = 0; c < 8; ++c) {
-        uint32_t quad;
-        std::memcpy(&quad, q + 4 * c, 4);
-        quads[(slot * 8 + c) * GROUP + r] = quad;
-      }
-      facts[2 * (slot * GROUP + r)] = amax / 127.f;
-      facts[2 * (slot * GROUP + r) + 1] = q4 ? sum : -128.f * static_cast<float>(q_sum);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q_high));
+      for (int c = 0; c < 8; ++c) std::memcpy(group_quads + c * w, q + 4 * c, 4);
+      group_facts[0] = amax / 127.f;
+      group_facts[1] = q4 ? _mm512_reduce_add_ps(_mm512_add_ps(low, high))
+                          : -128.f * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(q_low, q_high)));
     }
   });
 }
