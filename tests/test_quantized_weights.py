@@ -102,16 +102,18 @@ def test_lora_adapters_on_a_quantized_base_give_the_dequantized_bases_tokens(tin
         assert ours == pytest.approx(theirs, abs=1e-4)
 
 
+@pytest.mark.parametrize("dtype,quantization", [("float32", "gguf"), ("bfloat16", "gguf-int8")])
 @pytest.mark.parametrize("method", ["ngram", "layer_skip", "draft_model"])
-def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, method):
+def test_speculation_on_a_quantized_base_keeps_its_greedy_tokens(tiny_gguf, method, dtype, quantization):
     """Drafts proposed for (and, with a draft model, by) a base run as stored are verified by it: greedy output is
-    the base's own without speculation."""
+    the base's own without speculation, with int8 activations too (a row's int8 result is the same at any row
+    count)."""
     model = tiny_gguf("llama")
     spec = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
             "layer_skip": {"method": "layer_skip", "num_speculative_tokens": 3, "draft_layers": 1},
             "draft_model": {"method": "draft_model", "num_speculative_tokens": 3, "model": model}}[method]
-    quantized = {"model": model, "dtype": "float32", "max_model_len": 128, "kv_cache_memory_bytes": POOL,
-                 "quantization": "gguf"}
+    quantized = {"model": model, "dtype": dtype, "max_model_len": 128, "kv_cache_memory_bytes": POOL,
+                 "quantization": quantization}
     expected = run(LLMEngine(**quantized))
     engine = LLMEngine(**quantized, speculative_config=spec)
     got = run(engine)
