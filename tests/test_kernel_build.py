@@ -12,7 +12,8 @@ import pytest
 
 from kvloom.kernels import cpu_extensions
 
-NAME = "kvloom_cpu_decode"
+NAME = "kvloom_cpu_pool"  # the smallest source: where a build runs again (another checkout's venv in its
+# command line, as a CI clone beside the working tree has), it compiles in seconds
 
 
 def test_the_build_folder_follows_the_sources_content_not_their_path(tmp_path, monkeypatch):
