@@ -123,10 +123,10 @@ class EngineConfig(BaseModel):
     # vLLM's key. gguf: a GGUF model's linears run as the file stores them (Q4_0, Q4_1, Q8_0: kvloom's quantized
     # GEMM, kernels/quantized_linear.py; other types de-quantized, said once); gguf-int8: as gguf, and on CPUs with
     # AVX512-VNNI a linear's bfloat16 activations are quantized to int8 a block of 32 at a time at every batch size
-    # (llama.cpp's way): faster decode, prefill and large batches, less exact; fp8: any checkpoint's layer linears quantized
-    # at load to float8 with a scale an output, activations a scale a row on each call (kernels/fp8_linear.py: FP8
-    # tensor cores on Ada and Hopper GPUs); compressed-tensors, awq, gptq: a checkpoint llm-compressor (W4A16, W8A16,
-    # W8A8 integers), AutoAWQ or AutoGPTQ/GPTQModel wrote, run as stored by the same GEMM
+    # (llama.cpp's way): faster decode, prefill and large batches, less exact; fp8: any checkpoint's layer linears
+    # quantized at load to float8 with a scale an output, activations a scale a row on each call
+    # (kernels/fp8_linear.py: FP8 tensor cores on Ada and Hopper GPUs); compressed-tensors, awq, gptq: a checkpoint
+    # llm-compressor (W4A16, W8A16, W8A8 integers), AutoAWQ or AutoGPTQ/GPTQModel wrote, run as stored by the same GEMM
     # (engine/model/integer_weights.py); None: every weight in `dtype` (a GGUF model's de-quantized), except those
     # checkpoints', run as stored as vLLM runs them (de-quantized under tensor parallelism). `dtype` stays the
     # activations' dtype either way

@@ -462,13 +462,6 @@ constexpr RowsTable<uint32_t, sizeof...(Rs)> int8_rows_table(std::integer_sequen
   return {int8_rows<Q4_BLOCKS, Rs + 1>...};
 }
 
-// 16 elements of x as float32
-inline __m512 sixteen(const float* x) { return _mm512_loadu_ps(x); }
-inline __m512 sixteen(const at::BFloat16* x) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // x [M, K] -> its int8 quads (input order, 4 a word) and facts (dx, and Q4: the block's sum of x, Q8: -128 * the sum
 // of its int8), by groups of GROUP rows side by side, so that a register block (a group) reads one stream of each:
 // group g at quads + g * GROUP * K/4 and facts + g * GROUP * 2 * K/32, as [K/32][8 quads][w rows] and [K/32][w][2],
@@ -481,7 +474,9 @@ void quantize_x(const In* x, int64_t M, int64_t K, bool q4, uint32_t* quads, flo
       const int64_t row = i / B, group = row / GROUP, r = row % GROUP, w = std::min(GROUP, M - group * GROUP);
       uint32_t* group_quads = quads + group * GROUP * B * 8 + (i % B) * 8 * w + r;
       float* group_facts = facts + 2 * (group * GROUP * B + (i % B) * w + r);
-      const __m512 low = sixteen(x + i * BLOCK_K), high = sixteen(x + i * BLOCK_K + 16);
+      // 16 elements of x as float32 (cpu_vec.h's load: W is 16 here)
+      const __m512 low = __builtin_bit_cast(__m512, load(x + i * BLOCK_K));
+      const __m512 high = __builtin_bit_cast(__m512, load(x + i * BLOCK_K + 16));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
       const __m512 inverse = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       // to nearest, ties to even (the default rounding mode); |q| <= 127

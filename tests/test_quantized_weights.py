@@ -129,6 +129,6 @@ def test_int8_activations_are_asked_for_by_name_and_reach_every_quantized_linear
         engine = LLMEngine(model=model, dtype="bfloat16", max_model_len=128, kv_cache_memory_bytes=POOL,
                            quantization=quantization)
         layer = engine.decoder.layers[0]
-        expected = int8 and int8_dots()
-        assert [linear.int8 for linear in (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)] == [expected] * 4
+        linears = (layer.qkv, layer.gate_up, layer.down, engine.decoder.lm_head)
+        assert [linear.int8 for linear in linears] == [int8 and int8_dots()] * 4
         assert [len(tokens) for tokens, _ in run(engine)] == [GREEDY.max_tokens] * len(PROMPTS)
