@@ -35,6 +35,9 @@ PREFILL_NAME = "PrefillReplica"
 DECODE_NAME = "DecodeReplica"
 DEFAULT_GRACE_S = 5.0  # a stopping replica's running requests get this long before they move (router/membership.py)
 MOVE_MARGIN_S = 5.0  # Serve's own timeout is longer by this: the router moves the requests before Serve ends it
+# how often a stopping replica (or router) checks that its calls are done; Serve's default 2 s was most of a redeploy
+STOP_POLL_S = 0.25
+HEALTH_CHECK_S = 2.0  # how often Serve checks that the router and each replica live (a dead one is replaced)
 
 
 def tenancy_user_config(config: ClusterConfig) -> dict:
@@ -77,16 +80,18 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
             max_ongoing_requests=credit * (PREEMPTION_HEADROOM if preempts else 1),
             request_router_config=RequestRouterConfig(request_router_class=TargetedRequestRouter,
                                                       request_router_kwargs={"deployment": name}),
-            health_check_period_s=2,
+            health_check_period_s=HEALTH_CHECK_S,
             health_check_timeout_s=30,
             graceful_shutdown_timeout_s=grace_s + MOVE_MARGIN_S,
+            graceful_shutdown_wait_loop_s=STOP_POLL_S,
             logging_config=logs,
             **placement,
             **replica_scaling,
         )
 
     router = serve.deployment(Router).options(
-        name=ROUTER_NAME, num_replicas=1, max_ongoing_requests=100_000,
+        name=ROUTER_NAME, num_replicas=1, max_ongoing_requests=100_000, graceful_shutdown_wait_loop_s=STOP_POLL_S,
+        health_check_period_s=HEALTH_CHECK_S,  # Serve's default 10 s: a dead router went unnoticed up to that long
         ray_actor_options={"num_cpus": 0, **({"runtime_env": {"env_vars": log_format}} if log_format else {})},
         user_config=tenancy_user_config(config), logging_config={**logs, "enable_access_log": config.http.access_log},
     )
@@ -111,7 +116,7 @@ def build_app(config: ClusterConfig, log_level: str = "INFO", log_encoding: str 
     if preempts:
         engine.setdefault("scheduling_policy", "priority")
     replica_args = {"router_name": ROUTER_NAME, "torch_threads": resources.torch_threads,
-                    "rank_resources": rank_resources}
+                    "rank_resources": rank_resources, "deployment_id": settings["deployment_id"]}
     disagg = config.disaggregation
     if disagg.enabled:
         settings["disagg_transport"] = disagg.transport

@@ -87,14 +87,17 @@ class EngineReplica:
     role = "colocated"
 
     async def __init__(self, engine_config: dict, router_name: str | None = None, stats_period_s: float = 0.5,
-                       torch_threads: int | None = None, rank_resources: dict | None = None) -> None:
-        """`rank_resources`: num_cpus and num_gpus of each tensor-parallel rank's bundle."""
+                       torch_threads: int | None = None, rank_resources: dict | None = None,
+                       deployment_id: str | None = None) -> None:
+        """`rank_resources`: num_cpus and num_gpus of each tensor-parallel rank's bundle; `deployment_id`: the
+        app deployment this replica serves (its stats say so)."""
         import psutil
 
         from kvloom.engine.async_engine import AsyncLLMEngine
 
         # Ray starting the actor's process, Serve's replica wrapper and the imports, up to this constructor
         self.process_start_s = time.time() - psutil.Process().create_time()
+        self.deployment_id = deployment_id
         serve_logger_as_json()
         self.config = engine_device(EngineConfig(**engine_config))
         self.cpus = usable_cpus()
@@ -154,8 +157,9 @@ class EngineReplica:
         report = self.engine.report(PREFIX_SUMMARY_SIZE, TIER_SUMMARY_SIZE)
         s = report.stats
         return ReplicaStats(
-            replica_id=self.replica_id, role=self.role, node_id=self.node_id, device=report.device,
-            dtype=report.dtype, torch_threads=self.threads, tensor_parallel_size=self.config.tensor_parallel_size,
+            replica_id=self.replica_id, role=self.role, deployment_id=self.deployment_id, node_id=self.node_id,
+            device=report.device, dtype=report.dtype, torch_threads=self.threads,
+            tensor_parallel_size=self.config.tensor_parallel_size,
             ranks=[rank_summary(r) for r in report.ranks], max_num_seqs=self.config.max_num_seqs,
             block_size=report.block_size, max_model_len=report.max_model_len,
             num_running=s.num_running, num_waiting=s.num_waiting, num_blocks=s.num_blocks,

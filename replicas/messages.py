@@ -122,6 +122,9 @@ class ReplicaStats:
 
     replica_id: str
     role: str = "colocated"  # or "prefill", "decode"
+    # the app deployment it was started for (cluster/app.py): a router records only its own deployment's
+    # replicas (router/replica_table.py)
+    deployment_id: str | None = None
     node_id: str = ""
     device: str = "cpu"
     dtype: str = "float32"

@@ -123,17 +123,22 @@ class ReplicaState:
 
 
 class ReplicaTable:
-    def __init__(self, slack: int = 4, imbalance_threshold: int = 8, stale_after_s: float = 5.0) -> None:
+    def __init__(self, slack: int = 4, imbalance_threshold: int = 8, stale_after_s: float = 5.0,
+                 deployment_id: str | None = None) -> None:
+        """`deployment_id`: the app deployment whose replicas this table follows (cluster/app.py); stats of
+        another's (an earlier deployment's replica, which Serve is still stopping, pushing to the new router) are
+        not recorded."""
         self.slack = slack
         self.imbalance_threshold = imbalance_threshold
         self.stale_after_s = stale_after_s
+        self.deployment_id = deployment_id
         self.replicas: dict[str, ReplicaState] = {}
         self.retired: dict[str, float] = {}  # replica -> when it left; its last stats pushes are ignored
         self.serving: frozenset[str] | None = None  # the replicas Serve routes to (None: not known yet)
 
     def report(self, stats: ReplicaStats) -> None:
         replica_id = stats.replica_id
-        if replica_id in self.retired:
+        if replica_id in self.retired or stats.deployment_id != self.deployment_id:
             return
         state = self.replicas.get(replica_id)
         if state is None:

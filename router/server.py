@@ -144,12 +144,14 @@ class Router:
                                                       self.settings.stored_responses,
                                                       self.settings.stored_response_max_age_s))
         self.adapters = AdapterCatalog(lora, (self.settings.served_model_name, self.settings.model), ledger)
-        self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
+        self.table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold,
+                                  deployment_id=self.settings.deployment_id)
         self.counters = VirtualCounters()
         self.admission = AdmissionQueue(self.table, self.settings.max_queued_requests, counters=self.counters)
         self.tenants = TenantRegistry()
         self.metrics = RouterMetrics(self.table)
-        self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold)
+        self.decode_table = ReplicaTable(self.settings.replica_slack, self.settings.imbalance_threshold,
+                                         deployment_id=self.settings.deployment_id)
         replicas_handle = self.replicas = DetachedHandle(replicas_handle)
         streams = (DisaggStreams(replicas_handle, DetachedHandle(decode_handle), self.decode_table,
                                  self.settings.disagg_transport, self.settings.max_retries, self.settings.retry_wait_s)

@@ -200,3 +200,12 @@ def test_the_scaling_log_records_each_replica_that_joins_or_leaves_with_the_sign
                                                                           (1, [], ["b"])]
     grew = events[1]
     assert (grew["waiting_per_replica"], grew["running"], grew["kv_usage"], grew["ttft_p90_s"]) == (6, 2, 0.4, 3.5)
+
+
+def test_a_replica_of_an_earlier_deployment_pushing_to_the_new_router_is_not_counted():
+    """A redeployment starts a new router while Serve still stops the earlier replicas, whose stats pushes may reach
+    it: the router follows its own deployment's replicas only."""
+    table = ReplicaTable(slack=0, deployment_id="new")
+    table.report(ReplicaStats("old", max_num_seqs=4, deployment_id="earlier"))
+    table.report(ReplicaStats("a", max_num_seqs=4, deployment_id="new"))
+    assert [r.replica_id for r in table.live()] == ["a"]
