@@ -57,7 +57,7 @@ def serve_autoscaling_config(settings, max_num_seqs: int) -> dict:
         "min_replicas": settings.min_replicas, "max_replicas": settings.max_replicas,
         "upscale_delay_s": settings.upscale_delay_s, "downscale_delay_s": settings.downscale_delay_s,
         "downscale_to_zero_delay_s": settings.downscale_delay_s,
-        "metrics_interval_s": 1.0, "look_back_period_s": 5.0,
+        "metrics_interval_s": 1.0, "look_back_period_s": settings.look_back_s,
         "policy": {"policy_function": SERVE_POLICY, "policy_kwargs": {
             "signal": settings.target.signal, "target": getattr(settings.target, settings.target.signal),
             "max_num_seqs": max_num_seqs}},

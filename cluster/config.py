@@ -95,6 +95,7 @@ class AutoscalingSettings(Strict):
     target: ScalingTarget
     upscale_delay_s: float = Field(10, ge=0, description="how long the signal must ask for more before they come")
     downscale_delay_s: float = Field(60, ge=0, description="how long it must ask for fewer before they go")
+    look_back_s: float = Field(5, gt=0, description="the window Serve averages the replicas' signals over")
     graceful_period_s: float = Field(30, ge=0, description="how long a replica chosen for removal keeps its "
                                                            "running requests; the rest then move to others")
     scale_for_priority: int | None = Field(None, description="only requests of this priority class or a better "

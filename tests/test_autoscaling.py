@@ -28,7 +28,7 @@ def config(model_dir, max_num_seqs: int, context: int = 1024, **autoscaling) -> 
                    "max_model_len": context, "max_num_seqs": max_num_seqs},
         "router": {"replica_slack": 0},
         "resources": {"num_cpus": 1, "torch_threads": 1},
-        "autoscaling": {"target": {"waiting_per_replica": 1}, "upscale_delay_s": 1, **autoscaling},
+        "autoscaling": {"target": {"waiting_per_replica": 1}, "upscale_delay_s": 1, "look_back_s": 2, **autoscaling},
     })
 
 
@@ -110,12 +110,13 @@ def test_a_replica_removed_while_20_streams_run_on_it_loses_none_of_them(ray_ser
     """Replica A is filled with 24 long requests (all its slots); 20 greedy streams then wait in the router, so
     Serve adds replica B, which takes them. A's clients walk away: the 20 streams fit on one replica and Serve
     removes the newer one, B. Its streams have a 1 s grace period, then move to A and go on from what their
-    clients have. (A 4k context, so that A's requests outlast B's start, and B's outlast Serve's decision: its
-    5 s look-back window and the grace period took 6 s on a host where the 2000 tokens took about 16.)"""
+    clients have. (A 4k context, so that A's requests outlast B's start, and B's outlast Serve's decision: with a
+    5 s look-back window it and the grace period took 6 s on a host where 2000 tokens took about 16; the window is
+    2 s here, and 1200 tokens keep that margin.)"""
     model_dir = build_tiny_model(tmp_path / "tiny-4k", context=4096)
     router = deploy_app(config(model_dir, max_num_seqs=24, context=4096, min_replicas=1, max_replicas=2,
                                downscale_delay_s=0, graceful_period_s=1))
-    prompt, max_tokens = "w11 w12 w13 w14 w15", 2000
+    prompt, max_tokens = "w11 w12 w13 w14 w15", 1200
 
     async def scale_down_under_load() -> list[dict]:
         async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as client:

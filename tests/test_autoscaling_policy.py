@@ -42,9 +42,11 @@ def test_before_any_report_the_target_stands():
 
 
 def test_the_settings_become_serves_config_with_the_policy_and_its_arguments():
-    settings = AutoscalingSettings(min_replicas=1, max_replicas=3, target={"kv_usage": 0.7}, upscale_delay_s=2)
+    settings = AutoscalingSettings(min_replicas=1, max_replicas=3, target={"kv_usage": 0.7}, upscale_delay_s=2,
+                                   look_back_s=3)
     config = serve_autoscaling_config(settings, max_num_seqs=16)
     assert (config["min_replicas"], config["max_replicas"], config["upscale_delay_s"]) == (1, 3, 2)
+    assert config["look_back_period_s"] == 3
     assert config["policy"]["policy_kwargs"] == {"signal": "kv_usage", "target": 0.7, "max_num_seqs": 16}
     module, name = config["policy"]["policy_function"].split(":")
     assert getattr(__import__(module, fromlist=[name]), name) is LoadSignalPolicy
