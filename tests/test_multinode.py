@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
                    "tensor_parallel_size": 2, "max_num_seqs": 2},
         "router": {"replica_slack": 0},
         "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target": {"waiting_per_replica": 1},
-                        "upscale_delay_s": 1, "downscale_delay_s": 600},
+                        "upscale_delay_s": 1, "look_back_s": 2, "downscale_delay_s": 600},
         "resources": {"num_cpus": 0.5, "num_gpus": 1, "torch_threads": 1}})
     serve.run(build_app(config), name="kvloom", route_prefix="/")
     router = serve.get_deployment_handle(ROUTER_NAME, "kvloom")
