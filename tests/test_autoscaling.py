@@ -32,6 +32,14 @@ def config(model_dir, max_num_seqs: int, context: int = 1024, **autoscaling) -> 
     })
 
 
+@pytest.fixture(autouse=True)
+def no_app_before(ray_serve):
+    """Each test starts from no app: Serve carries a running deployment's replica count into an autoscaled update of
+    it (the new version's first target is the replicas running, not min_replicas), whose extra replica would join and
+    leave before any load came."""
+    serve.delete("kvloom")
+
+
 def running_replicas() -> int:
     return serve.status().applications["kvloom"].deployments["EngineReplica"].replica_states.get("RUNNING", 0)
 
