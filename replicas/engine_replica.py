@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from kvloom.replicas.off_loop_preparation import OffLoopPreparation
+from kvloom.replicas.output_socket import OutputServer
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
@@ -45,6 +46,14 @@ TIER_SUMMARY_SIZE = 4096  # likewise of the blocks the node's KV tiers hold (che
 # how often an output channel checks that the router reading it still lives: Ray does not end a stream whose caller
 # was killed, and an open one runs its requests for nobody and holds this replica's stop for Serve's graceful period
 CALLER_CHECK_S = 1.0
+
+
+async def ended_within(event: asyncio.Event, timeout_s: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout_s)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 def engine_device(config: EngineConfig) -> EngineConfig:
@@ -118,6 +127,7 @@ class EngineReplica:
                     self.threads, self.cpus, "fixed by torch_threads" if torch_threads else "alone on its node so far")
         self.node_id = ray.get_runtime_context().get_node_id()
         self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
+        self.output_server = OutputServer(ray.util.get_node_ip_address(), self.steps)
         self.preparing = OffLoopPreparation()  # requests naming an adapter are made off this loop (it may read disk)
         self._stats_task = None
         self.router_view = RouterView(replicas_on_node=1, queued_per_replica=0.0)  # as the router last said
@@ -222,15 +232,37 @@ class EngineReplica:
             return self.refusal(exc)
         return None
 
-    async def outputs(self, channel: str, target_replica: str | None = None,
-                      caller: ActorName | None = None) -> AsyncIterator[StepChunks]:
+    async def outputs(self, channel: str, target_replica: str | None = None, caller: ActorName | None = None,
+                      socket: bool = False) -> AsyncIterator[StepChunks]:
         """The chunks of every request submitted on `channel`, a step's worth per item: one Ray message per
         engine step instead of one per running request. The first item, at once, names this replica; a
         request's chunks carry its `request_id`. Closing the stream aborts the requests still on it, and so does
-        the end of `caller` (the router reading it), checked every CALLER_CHECK_S."""
-        yield StepChunks(self.replica_id)
+        the end of `caller` (the router reading it), checked every CALLER_CHECK_S. With `socket` the first item
+        carries the address of this replica's output socket, the steps go out there (replicas/output_socket.py),
+        and the stream stays open without items as the channel's lease, until either side ends it."""
+        yield StepChunks(self.replica_id, address=await self.output_server.address() if socket else None)
         if target_replica not in (None, self.replica_id):
             return  # Serve routed it here because the target is gone: the router learns that from the first item
+        if not socket:
+            async for step in self.steps(channel, caller):
+                yield step
+            return
+        ended = self.output_server.lease(channel)
+        try:
+            while not await ended_within(ended, CALLER_CHECK_S) and await self.reader_lives(channel, caller):
+                pass
+        finally:
+            self.output_server.release(channel)
+
+    async def reader_lives(self, channel: str, caller: ActorName | None) -> bool:
+        if caller is None or await asyncio.to_thread(caller.alive):
+            return True
+        logger.warning("channel %s: its router %s is gone; its requests end", channel, caller.name)
+        return False
+
+    async def steps(self, channel: str, caller: ActorName | None = None) -> AsyncIterator[StepChunks]:
+        """`channel`'s steps, whichever way they go out, until `caller` (if given) is gone; closing it aborts the
+        requests still on the channel."""
         batches = self._channel(channel)
         waiting: asyncio.Future | None = None
         checked = time.monotonic()
@@ -242,8 +274,7 @@ class EngineReplica:
                     yield StepChunks(self.replica_id, [self.chunk(o) if isinstance(o, RequestOutput)
                                                        else self.error_chunk(o.error, o.request_id) for o in outputs])
                 if caller is not None and time.monotonic() - checked >= CALLER_CHECK_S:
-                    if not await asyncio.to_thread(caller.alive):
-                        logger.warning("channel %s: its router %s is gone; its requests end", channel, caller.name)
+                    if not await self.reader_lives(channel, caller):
                         return
                     checked = time.monotonic()
         finally:

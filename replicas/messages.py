@@ -99,12 +99,24 @@ class ActorName:
         return True
 
 
+@dataclass(frozen=True)
+class OutputAddress:
+    """Where a replica serves its output channels over TCP (replicas/output_socket.py), and the secret a reader
+    sends first."""
+
+    host: str
+    port: int
+    secret: bytes
+
+
 @dataclass
 class StepChunks:
-    """A step's chunks for the requests of one output channel, from one replica."""
+    """A step's chunks for the requests of one output channel, from one replica; a channel's first item names
+    the replica (and, where asked for, the socket its steps go out on)."""
 
     replica: str
     chunks: list[Chunk] = field(default_factory=list)
+    address: OutputAddress | None = None
 
 
 @dataclass

@@ -1,10 +1,13 @@
 """Colocated requests over one output channel per replica.
 
 A request is submitted with a short call (`EngineReplica.submit`); its chunks come back, with every
-other request's on that replica, over one long-lived stream per replica (`EngineReplica.outputs`),
-a step's worth per Ray message, and are handed to each request's own queue here. One message a
+other request's on that replica, over one long-lived channel per replica (`EngineReplica.outputs`),
+a step's worth per message, and are handed to each request's own queue here. One message a
 step instead of one per running request: at 64 streams that was most of the CPU serving spent
 beyond the forward pass, on hosts where the router, the proxy and the engine share a few cores.
+The messages travel over the replica's output socket, a fraction of a Ray stream item's cost (at
+batch 1 a message is a token), while the Ray stream that opened the channel stays open as its lease
+(replicas/output_socket.py); over that stream itself where the socket cannot be reached.
 
 To the dispatcher a request still looks like one replica's stream (`open(message, replica_id)`, an
 async iterator of chunks with `cancel()`). A replica whose channel breaks fails every request on it
@@ -12,12 +15,16 @@ with `ReplicaGone` (or Ray's own error), which the dispatcher treats like a repl
 """
 
 import asyncio
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
 import ray
 
-from kvloom.replicas.messages import ActorName, Chunk, SubmitRequest
+from kvloom.replicas.messages import ActorName, Chunk, OutputAddress, StepChunks, SubmitRequest
+from kvloom.replicas.output_socket import SocketSteps
+
+logger = logging.getLogger(__name__)
 
 
 SERVE_NAMESPACE = "serve"  # where Serve names its replicas' actors (not the namespace their runtime context shows)
@@ -76,11 +83,9 @@ class ReplicaChannels:
             self._listeners[replica_id] = asyncio.get_running_loop().create_task(self._listen(replica_id))
 
     async def _listen(self, replica_id: str) -> None:
-        stream = self.handle.options(stream=True).outputs.remote(self.channel_id, target_replica=replica_id,
-                                                                 caller=self.reader)
         error: BaseException = ReplicaGone(f"replica {replica_id} closed its output channel")
         try:
-            async for step in stream:
+            async for step in self._steps(replica_id):
                 if step.replica != replica_id:  # Serve sent the call elsewhere: the target is gone
                     error = ReplicaGone(f"replica {replica_id} is gone")
                     break
@@ -90,14 +95,56 @@ class ReplicaChannels:
                         request.queue.put_nowait(chunk)
         except Exception as exc:  # the replica died (RayActorError) or its channel broke
             error = exc
-        finally:
+        finally:  # the steps closed the channel on their way out: the replica aborts what still runs on it
             del self._listeners[replica_id]
-            if replica_id in self._closing:
-                stream.cancel()  # the replica aborts what still runs on the channel
-                error = self._closing.pop(replica_id)
+            error = self._closing.pop(replica_id, error)
             for request in list(self.requests.values()):
                 if request.replica_id == replica_id and not request.finished:
                     request.queue.put_nowait(error)
+
+    async def _steps(self, replica_id: str) -> AsyncIterator[StepChunks]:
+        """The replica's channel: its first item (naming the replica that answered), then its steps over the
+        replica's output socket (replicas/output_socket.py) while the Ray stream stays open as the channel's lease,
+        or over the Ray stream itself where the socket cannot be reached (a firewall between nodes). Raises what
+        ended the lease (the replica's death) once the socket has ended too."""
+        outputs = self.handle.options(stream=True).outputs
+        lease = outputs.remote(self.channel_id, target_replica=replica_id, caller=self.reader, socket=True)
+        try:
+            items = aiter(lease)
+            hello = await anext(items)
+            yield hello
+            if hello.replica != replica_id:
+                return
+            steps = await self._open_socket(replica_id, hello.address)
+            if steps is None:  # no socket offered, or none reachable: the steps come over Ray
+                if hello.address is not None:
+                    lease.cancel()
+                    lease = outputs.remote(self.channel_id, target_replica=replica_id, caller=self.reader)
+                    items = aiter(lease)
+                async for step in items:
+                    yield step
+                return
+            ended = asyncio.ensure_future(anext(items, None))  # the lease has no items: this is its end
+            ended.add_done_callback(lambda _: steps.close())
+            try:
+                async for step in steps:
+                    yield step
+            finally:
+                ended.cancel()
+            if ended.done() and not ended.cancelled() and ended.exception() is not None:
+                raise ended.exception()
+        finally:
+            lease.cancel()
+
+    async def _open_socket(self, replica_id: str, address: OutputAddress | None) -> SocketSteps | None:
+        if address is None:
+            return None
+        try:
+            return await SocketSteps.open(address, self.channel_id)
+        except (OSError, asyncio.TimeoutError) as exc:
+            logger.warning("replica %s: its output socket %s:%d cannot be reached (%r): its outputs come over Ray",
+                           replica_id, address.host, address.port, exc)
+            return None
 
 
 class ChannelStream:

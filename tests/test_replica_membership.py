@@ -62,7 +62,7 @@ class ScriptedReplicas:
         self.arrived[target_replica].set()
         return SubmitReply(target_replica)
 
-    def _outputs(self, channel: str, target_replica: str, caller=None) -> ChannelStream:
+    def _outputs(self, channel: str, target_replica: str, caller=None, socket=False) -> ChannelStream:
         self.channels[target_replica] = ChannelStream(target_replica, self.feeds[target_replica])
         return self.channels[target_replica]
 

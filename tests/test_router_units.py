@@ -372,7 +372,7 @@ def scripted_replica_handle(items):
         submitted.append(message.request_id)
         return SubmitReply("a")
 
-    async def outputs(channel, target_replica=None, caller=None):
+    async def outputs(channel, target_replica=None, caller=None, socket=False):
         for item in items(submitted[-1]):
             yield item
             await asyncio.sleep(0)
