@@ -33,8 +33,8 @@ from kvloom.engine.cpu_threads import share_of_node, usable_cpus
 from kvloom.engine.errors import InvalidRequestError
 from kvloom.engine.lora.identity import LoRARequest
 from kvloom.engine.outputs import RequestOutput
-from kvloom.replicas.messages import (ActorName, Chunk, ReplicaError, ReplicaStats, RouterView, StepChunks, SubmitReply,
-                                     SubmitRequest)
+from kvloom.replicas.messages import (ActorName, Chunk, OutputAddress, ReplicaError, ReplicaStats, RouterView,
+                                     StepChunks, SubmitReply, SubmitRequest)
 
 if TYPE_CHECKING:
     from kvloom.engine.async_engine import OutputBatches
@@ -240,10 +240,11 @@ class EngineReplica:
         the end of `caller` (the router reading it), checked every CALLER_CHECK_S. With `socket` the first item
         carries the address of this replica's output socket, the steps go out there (replicas/output_socket.py),
         and the stream stays open without items as the channel's lease, until either side ends it."""
-        yield StepChunks(self.replica_id, address=await self.output_server.address() if socket else None)
+        address = await self.socket_address() if socket else None
+        yield StepChunks(self.replica_id, address=address)
         if target_replica not in (None, self.replica_id):
             return  # Serve routed it here because the target is gone: the router learns that from the first item
-        if not socket:
+        if address is None:
             async for step in self.steps(channel, caller):
                 yield step
             return
@@ -253,6 +254,15 @@ class EngineReplica:
                 pass
         finally:
             self.output_server.release(channel)
+
+    async def socket_address(self) -> OutputAddress | None:
+        """The output socket's address, or None (the steps then go on the Ray stream) where it cannot listen."""
+        try:
+            return await self.output_server.address()
+        except OSError as exc:
+            logger.warning("replica %s: no output socket on %s (%r): its outputs go over Ray", self.replica_id,
+                           self.output_server.host, exc)
+            return None
 
     async def reader_lives(self, channel: str, caller: ActorName | None) -> bool:
         if caller is None or await asyncio.to_thread(caller.alive):

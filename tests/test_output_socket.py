@@ -177,3 +177,12 @@ async def test_a_socket_the_router_cannot_reach_leaves_the_outputs_on_the_ray_st
     assert [c.token_ids for c in chunks] == [[1], [2]]
     (socket_lease, first), (over_ray, _) = handle.leases
     assert socket_lease and first.cancelled.is_set() and not over_ray
+
+
+async def test_a_replica_that_offers_no_socket_sends_its_steps_on_the_ray_stream():
+    handle = ScriptedReplica(None, [step("a", 1), last("a", 2)])
+    channels = ReplicaChannels(handle)
+    chunks = [chunk async for chunk in channels.open(request("a"), "r")]
+    assert [c.token_ids for c in chunks] == [[1], [2]]
+    (socket, _), = handle.leases  # the stream that asked for the socket carried the steps: no second one
+    assert socket
