@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from ray import serve
 
 from kvloom.replicas.off_loop_preparation import OffLoopPreparation
-from kvloom.replicas.output_socket import OutputServer
+from kvloom.replicas.output_socket import Lease, OutputServer, ray_uses_tls
 from kvloom.replicas.serve_logs import serve_logger_as_json
 from kvloom.engine.config import EngineConfig
 from kvloom.engine.cpu_threads import share_of_node, usable_cpus
@@ -128,6 +128,7 @@ class EngineReplica:
         self.node_id = ray.get_runtime_context().get_node_id()
         self.channels: dict[str, OutputBatches] = {}  # one per router process: its requests' outputs
         self.output_server = OutputServer(ray.util.get_node_ip_address(), self.steps)
+        self.told_no_socket = False
         self.preparing = OffLoopPreparation()  # requests naming an adapter are made off this loop (it may read disk)
         self._stats_task = None
         self.router_view = RouterView(replicas_on_node=1, queued_per_replica=0.0)  # as the router last said
@@ -240,28 +241,34 @@ class EngineReplica:
         the end of `caller` (the router reading it), checked every CALLER_CHECK_S. With `socket` the first item
         carries the address of this replica's output socket, the steps go out there (replicas/output_socket.py),
         and the stream stays open without items as the channel's lease, until either side ends it."""
-        address = await self.socket_address() if socket else None
-        yield StepChunks(self.replica_id, address=address)
-        if target_replica not in (None, self.replica_id):
-            return  # Serve routed it here because the target is gone: the router learns that from the first item
-        if address is None:
-            async for step in self.steps(channel, caller):
-                yield step
-            return
-        ended = self.output_server.lease(channel)
+        lease = self.output_server.lease(channel) if socket else None  # before the router can connect
+        address = await self.socket_address(lease) if lease is not None else None
         try:
-            while not await ended_within(ended, CALLER_CHECK_S) and await self.reader_lives(channel, caller):
+            yield StepChunks(self.replica_id, address=address)
+            if target_replica not in (None, self.replica_id):
+                return  # Serve routed it here because the target is gone: the router learns that from the first item
+            if address is None:
+                async for step in self.steps(channel, caller):
+                    yield step
+                return
+            while not await ended_within(lease.ended, CALLER_CHECK_S) and await self.reader_lives(channel, caller):
                 pass
         finally:
-            self.output_server.release(channel)
+            if lease is not None:
+                self.output_server.release(lease)
 
-    async def socket_address(self) -> OutputAddress | None:
-        """The output socket's address, or None (the steps then go on the Ray stream) where it cannot listen."""
+    async def socket_address(self, lease: Lease) -> OutputAddress | None:
+        """Where `lease`'s channel connects, or None (its steps then go on the Ray stream): where Ray runs with TLS
+        (the socket is in clear) or this replica cannot listen."""
+        if ray_uses_tls():
+            return None
         try:
-            return await self.output_server.address()
+            return await self.output_server.address(lease)
         except OSError as exc:
-            logger.warning("replica %s: no output socket on %s (%r): its outputs go over Ray", self.replica_id,
-                           self.output_server.host, exc)
+            if not self.told_no_socket:
+                logger.warning("replica %s: no output socket on %s (%r): its outputs go over Ray", self.replica_id,
+                               self.output_server.host, exc)
+                self.told_no_socket = True
             return None
 
     async def reader_lives(self, channel: str, caller: ActorName | None) -> bool:

@@ -101,12 +101,12 @@ class ActorName:
 
 @dataclass(frozen=True)
 class OutputAddress:
-    """Where a replica serves its output channels over TCP (replicas/output_socket.py), and the secret a reader
-    sends first."""
+    """Where a replica serves an output channel over TCP (replicas/output_socket.py), and the one-time token the
+    channel's reader sends first."""
 
     host: str
     port: int
-    secret: bytes
+    token: bytes
 
 
 @dataclass

@@ -4,35 +4,66 @@ One output-channel item, a Ray stream item through Serve's handle, costs ~0.55-0
 2-core hosts kvloom is measured on, and at batch 1 every engine step is one item; a frame on a socket ~0.1 ms
 (docs/performance.md, session 55). So a replica also serves its channels on a TCP port of its node. The router still
 opens each channel as a Ray stream (`EngineReplica.outputs(..., socket=True)`): its first item names the replica
-and carries this socket's address and secret, and the stream then stays open, item-less, as the channel's lease:
-Serve counts it as the replica's ongoing call (a stopping replica waits for it, router/membership.py), and either
-side ending it ends the channel. The router connects and sends the secret with the channel's name; the replica
-sends nothing before both match a leased channel. Frames are a 4-byte length and a pickle, as Ray's own messages
-are: the router reads only from the address Ray gave it.
+and carries this socket's address and a token for this one channel, and the stream then stays open, item-less, as
+the channel's lease: Serve counts it as the replica's ongoing call (a stopping replica waits for it,
+router/membership.py), and either side ending it ends the channel. The router connects and sends the token; a token
+opens one connection, once, and the replica sends nothing to a connection before its token matches. Frames are a
+4-byte length and a pickle, as Ray's own messages are, and like them in clear: where Ray runs with TLS the replica
+offers no socket and the steps stay on Ray.
 
-The socket carries the steps: the router closing it (or the lease's end closing it) ends the channel, which aborts
-the requests still on it, and the replica's end, or death, reaches the router as the end of the stream.
+The socket carries the steps: the router closing it, or the lease's end, ends the channel, which aborts the
+requests still on it; the replica's end, or death, reaches the router as the end of the stream.
 """
 
 import asyncio
-import hmac
-import json
+import contextlib
 import logging
+import os
 import pickle
 import secrets
+import socket
 import struct
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from kvloom.replicas.messages import OutputAddress, StepChunks
 
 logger = logging.getLogger(__name__)
 FRAME = struct.Struct("!I")  # a frame's length, then its bytes
-SECRET_BYTES = 32
-HELLO_LIMIT = 4096  # the channel's name, as JSON
-HELLO_TIMEOUT_S = 10.0  # for a connection to say which channel it reads
-CONNECT_TIMEOUT_S = 5.0
+TOKEN_BYTES = 32
+HELLO_TIMEOUT_S = 2.0  # for a connection to present its token
+MAX_UNAUTHENTICATED = 64  # connections waiting to present one; more are closed at once
+CONNECT_TIMEOUT_S = 2.0
+KEEPALIVE_S = 10  # a peer gone without a word (its node lost) is found within ~KEEPALIVE_S * 2
 
 StepSource = Callable[[str], AsyncIterator[StepChunks]]  # a channel's steps; closing it aborts what is left
+
+
+def ray_uses_tls() -> bool:
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+def keep_alive(writer: asyncio.StreamWriter) -> None:
+    """A connection whose peer's node is lost ends within seconds, not TCP's ~15 minutes."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_S), ("TCP_KEEPINTVL", 1), ("TCP_KEEPCNT", KEEPALIVE_S),
+                          ("TCP_USER_TIMEOUT", 2 * KEEPALIVE_S * 1000)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+@dataclass(eq=False)
+class Lease:
+    """One channel's right to one connection, for as long as its Ray stream is open."""
+
+    channel: str
+    token: bytes = field(default_factory=lambda: secrets.token_bytes(TOKEN_BYTES))
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set once its connection has ended
+    writer: asyncio.StreamWriter | None = None
+    pump: asyncio.Task | None = None
 
 
 class OutputServer:
@@ -40,70 +71,68 @@ class OutputServer:
 
     def __init__(self, host: str, steps: StepSource) -> None:
         self.host, self.steps = host, steps
-        self.secret = secrets.token_bytes(SECRET_BYTES)
-        self.server: asyncio.Server | None = None
-        self.leases: dict[str, asyncio.Event] = {}  # leased channels: set once the channel's connection ended
-        self.connections: dict[str, asyncio.StreamWriter] = {}
+        self.starting: asyncio.Future | None = None  # the listening server, or why it cannot listen
+        self.waiting: dict[bytes, Lease] = {}  # leases whose connection has not come yet, by token
+        self.unauthenticated = 0
 
-    async def address(self) -> OutputAddress:
-        if self.server is None:
-            self.server = await asyncio.start_server(self._serve, self.host, 0)
-        return OutputAddress(self.host, self.server.sockets[0].getsockname()[1], self.secret)
+    async def address(self, lease: Lease) -> OutputAddress:
+        """Where `lease`'s channel connects; raises OSError where this replica cannot listen."""
+        if self.starting is None:
+            self.starting = asyncio.ensure_future(asyncio.start_server(self._serve, self.host, 0))
+        server = await asyncio.shield(self.starting)
+        return OutputAddress(self.host, server.sockets[0].getsockname()[1], lease.token)
 
-    def lease(self, channel: str) -> asyncio.Event:
-        """Let `channel` connect; the event is set once its connection has ended."""
-        self.leases[channel] = asyncio.Event()
-        return self.leases[channel]
+    def lease(self, channel: str) -> Lease:
+        lease = Lease(channel)
+        self.waiting[lease.token] = lease
+        return lease
 
-    def release(self, channel: str) -> None:
-        """The lease ended: close the channel's connection (its steps end, aborting what still runs)."""
-        self.leases.pop(channel, None)
-        writer = self.connections.pop(channel, None)
-        if writer is not None:
-            writer.close()
+    def release(self, lease: Lease) -> None:
+        """The lease ended: its connection goes at once, unsent frames and all; its steps end, aborting what still
+        runs on the channel."""
+        self.waiting.pop(lease.token, None)
+        if lease.pump is not None:
+            lease.pump.cancel()
+        if lease.writer is not None:
+            lease.writer.transport.abort()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        channel = None
+        lease = None
         try:
-            hello = await asyncio.wait_for(read_hello(reader), HELLO_TIMEOUT_S)
-            if hello is None or not hmac.compare_digest(hello[0], self.secret) or hello[1] not in self.leases:
-                logger.warning("output socket: a connection from %s without a leased channel's secret was closed",
-                               writer.get_extra_info("peername"))
+            if self.unauthenticated >= MAX_UNAUTHENTICATED:
                 return
-            channel = hello[1]
-            self.connections[channel] = writer
-            pump = asyncio.ensure_future(self._pump(writer, channel))
+            self.unauthenticated += 1
+            try:
+                token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), HELLO_TIMEOUT_S)
+            finally:
+                self.unauthenticated -= 1
+            lease = self.waiting.pop(token, None)  # one connection a lease
+            if lease is None:
+                logger.debug("output socket: a connection from %s without a live token was closed",
+                             writer.get_extra_info("peername"))
+                return
+            keep_alive(writer)
+            lease.writer, lease.pump = writer, asyncio.ensure_future(self._pump(writer, lease.channel))
             closed = asyncio.ensure_future(reader.read(1))  # the router sends nothing more: any return is its end
-            await asyncio.wait({pump, closed}, return_when=asyncio.FIRST_COMPLETED)
-            for task in (pump, closed):
+            await asyncio.wait({lease.pump, closed}, return_when=asyncio.FIRST_COMPLETED)
+            for task in (lease.pump, closed):
                 task.cancel()
-            await asyncio.gather(pump, closed, return_exceptions=True)  # the steps' end aborts what is left
+            for result in await asyncio.gather(lease.pump, closed, return_exceptions=True):
+                if isinstance(result, Exception) and not isinstance(result, ConnectionError):
+                    logger.warning("output socket: channel %s ended on %r", lease.channel, result)
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             logger.debug("output socket: a connection ended: %r", exc)
         finally:
             writer.close()
-            if channel is not None and self.connections.get(channel) is writer:
-                del self.connections[channel]
-                if channel in self.leases:
-                    self.leases[channel].set()
+            if lease is not None:
+                lease.ended.set()
 
     async def _pump(self, writer: asyncio.StreamWriter, channel: str) -> None:
-        async for step in self.steps(channel):
-            data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
-            writer.write(FRAME.pack(len(data)) + data)
-            await writer.drain()
-
-
-async def read_hello(reader: asyncio.StreamReader) -> tuple[bytes, str] | None:
-    """(secret, channel) as a connection opens, or None for a malformed hello."""
-    secret = await reader.readexactly(SECRET_BYTES)
-    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > HELLO_LIMIT:
-        return None
-    try:
-        return secret, str(json.loads(await reader.readexactly(size))["channel"])
-    except (ValueError, KeyError, TypeError):
-        return None
+        async with contextlib.aclosing(self.steps(channel)) as steps:  # closed, and so aborted, however this ends
+            async for step in steps:
+                data = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+                writer.write(FRAME.pack(len(data)) + data)
+                await writer.drain()
 
 
 class SocketSteps:
@@ -114,16 +143,16 @@ class SocketSteps:
         self.reader, self.writer = reader, writer
 
     @classmethod
-    async def open(cls, address: OutputAddress, channel: str) -> "SocketSteps":
+    async def open(cls, address: OutputAddress) -> "SocketSteps":
         """Raises OSError (or TimeoutError) where the address cannot be reached."""
         reader, writer = await asyncio.wait_for(asyncio.open_connection(address.host, address.port),
                                                 CONNECT_TIMEOUT_S)
-        body = json.dumps({"channel": channel}).encode()
-        writer.write(address.secret + FRAME.pack(len(body)) + body)
+        keep_alive(writer)
+        writer.write(address.token)
         return cls(reader, writer)
 
     def close(self) -> None:
-        self.writer.close()
+        self.writer.transport.abort()
 
     async def __aiter__(self) -> AsyncIterator[StepChunks]:
         try:

@@ -25,6 +25,7 @@ from kvloom.replicas.messages import ActorName, Chunk, OutputAddress, StepChunks
 from kvloom.replicas.output_socket import SocketSteps
 
 logger = logging.getLogger(__name__)
+LEASE_END_S = 2.0  # after the replica ended the socket, how long its lease may take to say why
 
 
 SERVE_NAMESPACE = "serve"  # where Serve names its replicas' actors (not the namespace their runtime context shows)
@@ -57,6 +58,7 @@ class ReplicaChannels:
         self.requests: dict[str, "ChannelStream"] = {}
         self._listeners: dict[str, asyncio.Task] = {}
         self._closing: dict[str, ReplicaGone] = {}  # why the router closes a replica's channel
+        self._unreachable: set[str] = set()  # replicas whose output socket could not be reached: Ray streams
 
     def open(self, message: SubmitRequest, replica_id: str) -> "ChannelStream":
         return ChannelStream(self, message, replica_id)
@@ -105,10 +107,12 @@ class ReplicaChannels:
     async def _steps(self, replica_id: str) -> AsyncIterator[StepChunks]:
         """The replica's channel: its first item (naming the replica that answered), then its steps over the
         replica's output socket (replicas/output_socket.py) while the Ray stream stays open as the channel's lease,
-        or over the Ray stream itself where the socket cannot be reached (a firewall between nodes). Raises what
-        ended the lease (the replica's death) once the socket has ended too."""
+        or over the Ray stream itself where the replica offers no socket or it cannot be reached (a firewall between
+        nodes: remembered for the replica). Raises what ended the lease (the replica's death) where it ended with
+        the socket."""
         outputs = self.handle.options(stream=True).outputs
-        lease = outputs.remote(self.channel_id, target_replica=replica_id, caller=self.reader, socket=True)
+        socket = replica_id not in self._unreachable
+        lease = outputs.remote(self.channel_id, target_replica=replica_id, caller=self.reader, socket=socket)
         try:
             items = aiter(lease)
             hello = await anext(items)
@@ -129,6 +133,7 @@ class ReplicaChannels:
             try:
                 async for step in steps:
                     yield step
+                await asyncio.wait({ended}, timeout=LEASE_END_S)  # the socket ended first: why the lease ends
             finally:
                 ended.cancel()
             if ended.done() and not ended.cancelled() and ended.exception() is not None:
@@ -140,10 +145,11 @@ class ReplicaChannels:
         if address is None:
             return None
         try:
-            return await SocketSteps.open(address, self.channel_id)
+            return await SocketSteps.open(address)
         except (OSError, asyncio.TimeoutError) as exc:
             logger.warning("replica %s: its output socket %s:%d cannot be reached (%r): its outputs come over Ray",
                            replica_id, address.host, address.port, exc)
+            self._unreachable.add(replica_id)
             return None
 
 
